@@ -1,0 +1,27 @@
+"""mla_kernels: sparse MLA attention (DeepSeek-V3.2 DSA) kernels in CuTe DSL.
+
+Public API:
+
+* :func:`sparse_mla_fwd` -- forward: ``(out, max_logits, lse)``;
+* :func:`attn_dist` -- attention distribution over the selected tokens (indexer KL target);
+* :func:`sparse_mla_bwd` -- backward: ``(dq, dkv, d_attn_sink)``;
+* :func:`sparse_mla` -- the autograd op (``out`` or ``(out, lse)``);
+* :func:`backend_for` -- which backend serves a device (``"sm90"``, ``"sm100"``, ``"reference"``);
+* :class:`AttnSum` -- holder receiving ``attn_sum`` from the autograd backward.
+"""
+
+from .api import attn_dist, sparse_mla_bwd, sparse_mla_fwd
+from .autograd import AttnSum, sparse_mla
+from .dispatch import BackendUnavailableError, backend_for
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sparse_mla_fwd",
+    "attn_dist",
+    "sparse_mla_bwd",
+    "sparse_mla",
+    "backend_for",
+    "AttnSum",
+    "BackendUnavailableError",
+]

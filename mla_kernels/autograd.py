@@ -1,0 +1,99 @@
+"""The autograd op: ``sparse_mla(...)``, differentiable in ``q``, ``kv`` and ``attn_sink``.
+
+The forward runs the active backend's forward and saves what the backward needs (the
+normalised inputs, ``out`` and ``lse``); the backward calls the backend's backward -- nothing of
+the forward is recomputed outside the backward kernel.  The returned ``lse`` is differentiable
+too: its gradient enters the backward as ``delta' = delta - dlse * exp(lse' - lse)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .api import bwd_problem, fwd_problem, make_problem
+from .common.problem import Problem
+
+__all__ = ["SparseMLA", "sparse_mla", "AttnSum"]
+
+
+class AttnSum:
+    """Holder that receives ``attn_sum`` (the indexer's KL target) computed inside the backward.
+
+    Pass an instance as ``sparse_mla(..., attn_sum=holder)``; after ``loss.backward()``,
+    ``holder.value`` is the ``[s_q, topk]`` float32 tensor ``sum_h exp(q.k*scale - lse)`` --
+    the same as :func:`mla_kernels.attn_dist` -- obtained for free from the backward's
+    recomputed probabilities.  ``holder.value`` is None until the backward has run.
+    """
+
+    def __init__(self) -> None:
+        self.value: Optional[torch.Tensor] = None
+
+
+class SparseMLA(torch.autograd.Function):
+    """``out, lse = SparseMLA.apply(q, kv, indices, sm_scale, d_v, topk_length, attn_sink,
+    deterministic, attn_sum_holder)``."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, deterministic, holder):
+        p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+        out, _max_logits, lse = fwd_problem(p)
+        ctx.save_for_backward(p.q, p.kv, p.indices, p.topk_length, p.attn_sink, out, lse)
+        ctx.meta = (p.sm_scale, p.d_v, p.kv_shape, bool(deterministic), holder)
+        ctx.sink_dtype = attn_sink.dtype if attn_sink is not None else None
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, kv, indices, topk_length, attn_sink, out, lse = ctx.saved_tensors
+        sm_scale, d_v, kv_shape, deterministic, holder = ctx.meta
+        p = Problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, kv_shape)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dout = dout.contiguous()
+        if dlse is not None:
+            dlse = dlse.contiguous().to(lse.dtype)
+        want_sum = holder is not None
+        res = bwd_problem(p, out, dout, lse, dlse, deterministic, want_sum)
+        dq, dkv, dsink = res[:3]
+        if want_sum:
+            holder.value = res[3]
+        if dsink is not None and ctx.sink_dtype is not None:
+            dsink = dsink.to(ctx.sink_dtype)
+        return dq, dkv, None, None, None, None, dsink, None, None
+
+
+def sparse_mla(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    *,
+    deterministic: bool = False,
+    attn_sum: Optional[AttnSum] = None,
+):
+    """Differentiable sparse MLA attention (forward + backward through the active backend).
+
+    Same inputs and conventions as :func:`mla_kernels.sparse_mla_fwd`.  Returns ``out`` or,
+    with ``return_lse``, ``(out, lse)``; gradients flow to ``q``, ``kv`` (``dkv`` in kv's shape)
+    and ``attn_sink``.
+
+    Keyword-only:
+        deterministic: use the backend's bitwise-reproducible backward.
+        attn_sum: an :class:`AttnSum` holder that receives the attention distribution
+            ``[s_q, topk]`` computed by the backward (the DSA indexer's KL target).
+    """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if attn_sum is not None and not isinstance(attn_sum, AttnSum):
+        raise TypeError(f"attn_sum must be an mla_kernels.AttnSum holder, got {type(attn_sum).__name__}")
+    out, lse = SparseMLA.apply(
+        q, kv, indices, sm_scale, d_v, topk_length, attn_sink, deterministic, attn_sum
+    )
+    return (out, lse) if return_lse else out

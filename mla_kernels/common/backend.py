@@ -1,0 +1,62 @@
+"""The interface between ``mla_kernels.api``/``dispatch`` and a backend.
+
+A backend is an object with the methods below.  The API validates and normalises the inputs
+into a :class:`~mla_kernels.common.problem.Problem`, asks ``dispatch`` for a backend, pads
+``topk`` to the backend's ``topk_block`` with invalid (-1) slots, and calls it.
+
+Ops are named ``"fwd"``, ``"attn_dist"`` and ``"bwd"``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .problem import Problem
+
+OPS = ("fwd", "attn_dist", "bwd")
+
+
+class Backend:
+    """Base class: a backend that supports nothing.  Subclasses override what they serve."""
+
+    #: Name used by ``MLA_KERNELS_BACKEND`` and ``backend_for``.
+    name: str = "none"
+    #: The API pads ``topk`` with -1 slots to a multiple of this before calling the backend.
+    topk_block: int = 1
+    #: False for kernels proven only by compilation (no hardware run yet): dispatch then runs a
+    #: first-use canary against the reference for each new configuration.
+    hardware_verified: bool = True
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        """None if this backend can run on ``device`` at all, else why not."""
+        return "not implemented"
+
+    def supports(self, op: str, p: Problem) -> Optional[str]:
+        """None if this backend serves ``op`` for ``p``, else the reason it does not."""
+        return f"{self.name} does not implement {op}"
+
+    def config_key(self, op: str, p: Problem) -> tuple:
+        """The static configuration a call compiles for (used by the first-use canary)."""
+        return (op, p.h_q, p.d_qk, p.d_v, p.dtype, p.topk_length is not None, p.attn_sink is not None)
+
+    # -- ops -----------------------------------------------------------------------------------
+    def fwd(self, p: Problem) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def attn_dist(self, p: Problem, lse: torch.Tensor, normalize: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bwd(
+        self,
+        p: Problem,
+        out: torch.Tensor,
+        dout: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        dlse: Optional[torch.Tensor] = None,
+        deterministic: bool = False,
+        return_attn_sum: bool = False,
+    ):
+        raise NotImplementedError

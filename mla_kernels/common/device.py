@@ -1,0 +1,237 @@
+"""CuTe DSL device helpers shared by the sm90 and sm100 kernels.
+
+Everything here runs inside ``@cute.kernel`` code.  Contents:
+
+* inline PTX the DSL does not expose: ``cp.async`` with zero-fill and an L2 cache policy,
+  ``createpolicy``;
+* :class:`HalfBufferBarriers` -- a ready/free mbarrier pair guarding one piece of an smem buffer
+  whose producer and consumers do not run as a ring (phases come from the iteration parity);
+* index/validity helpers (the slot-validity rule of the package: ``0 <= idx < s_kv`` and
+  ``slot < topk_length``);
+* row-wise online-softmax pieces over a Hopper wgmma accumulator fragment (``64 x N`` f32 tile,
+  each thread holding rows ``r0`` and ``r0 + 8``; flat element ``i = v0 + 2*v1 + 4*v2`` is row
+  ``v1``, column ``8*v2 + 2*(lane % 4) + v0``).
+
+Softmax conventions: scores are kept in "scaled log2" units ``x = s * sm_scale * log2(e)`` so that
+probabilities are ``exp2(x - m)``; ``lse = ln(l) + m * ln(2)`` at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+#: Initial running max: finite so that ``exp2(m_old - m_new)`` never sees ``(-inf) - (-inf)``.
+MAX_INIT = -1e30
+
+
+# ---------------------------------------------------------------------------------------------
+# Inline PTX
+# ---------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def createpolicy_evict_last(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy that keeps lines (``createpolicy.fractional.L2::evict_last``)."""
+    return Int64(
+        llvm.inline_asm(
+            T.i64(),
+            [],
+            "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;",
+            "=l",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def cp_async_16_zfill(
+    smem_addr: Int32, gmem_addr: Int64, valid: Boolean, policy: Int64, *, loc=None, ip=None
+) -> None:
+    """16-byte ``cp.async.cg`` global->shared with L2 256-byte prefetch and cache ``policy``.
+
+    When ``valid`` is false no global memory is read and the 16 smem bytes are zero-filled
+    (src-size 0), so an invalid KV row never leaves stale or uninitialised smem behind.
+    """
+    src_size = Int32(cutlass.select_(valid, Int32(16), Int32(0)))
+    llvm.inline_asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+            Int32(src_size).ir_value(loc=loc, ip=ip),
+            Int64(policy).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
+        "r,l,r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def ld_global_nc_i32(gmem_addr: Int64, *, loc=None, ip=None) -> Int32:
+    """Read-only (non-coherent, L1-cached) 32-bit global load."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+            "ld.global.nc.b32 $0, [$1];",
+            "=r,l",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def smem_addr_u32(ptr) -> Int32:
+    """The 32-bit shared-memory address of an smem pointer."""
+    return Int32(ptr.toint())
+
+
+def gmem_addr_i64(ptr) -> Int64:
+    """The 64-bit address of a global pointer."""
+    return Int64(ptr.toint())
+
+
+# ---------------------------------------------------------------------------------------------
+# Barriers
+# ---------------------------------------------------------------------------------------------
+
+
+class HalfBufferBarriers:
+    """A ``ready``/``free`` mbarrier pair for one piece of an smem buffer.
+
+    The producer waits ``free`` (phase ``parity ^ 1``: a fresh barrier counts as free), fills the
+    piece and arrives on ``ready``; consumers wait ``ready`` (phase ``parity``) and arrive on
+    ``free`` when done.  ``parity`` is the iteration index's low bit: every piece is produced and
+    consumed exactly once per iteration.  Used instead of a ring pipeline because the pieces are
+    consumed by different warpgroups in different orders.
+    """
+
+    def __init__(self, ready_ptr, free_ptr):
+        self.ready = ready_ptr
+        self.free = free_ptr
+
+    # Loop-invariant: dynamic loops capture the pointers from the enclosing scope instead of
+    # carrying them.
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    @staticmethod
+    def init(ready_ptr, free_ptr, ready_count: int, free_count: int) -> None:
+        cute.arch.mbarrier_init(ready_ptr, ready_count)
+        cute.arch.mbarrier_init(free_ptr, free_count)
+
+    def wait_ready(self, parity) -> None:
+        cute.arch.mbarrier_wait(self.ready, parity)
+
+    def wait_free(self, parity) -> None:
+        cute.arch.mbarrier_wait(self.free, parity ^ 1)
+
+    def commit_cp_async(self) -> None:
+        """Arrive on ``ready`` once this thread's earlier cp.async copies have landed."""
+        cute.arch.cp_async_mbarrier_arrive_noinc(self.ready)
+
+    def release(self) -> None:
+        cute.arch.mbarrier_arrive(self.free)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot validity
+# ---------------------------------------------------------------------------------------------
+
+
+def slot_valid(idx: Int32, slot: Int32, s_kv: Int32, topk_len: Int32) -> Boolean:
+    """The package's rule: a slot is valid iff ``0 <= idx < s_kv`` and ``slot < topk_len``."""
+    return (idx >= 0) & (idx < s_kv) & (slot < topk_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# Online softmax over a wgmma accumulator fragment (64 x N f32, two rows per thread)
+# ---------------------------------------------------------------------------------------------
+
+
+def acc_flat(v0: int, row: int, group: int) -> int:
+    """Flat index of (column pair element ``v0``, row ``row`` in {0,1}, 8-column group)."""
+    return v0 + 2 * row + 4 * group
+
+
+def mask_scores(acc_s: cute.Tensor, valid_lo: Uint32, valid_hi: Uint32, lane_quad: Int32) -> None:
+    """Set ``-inf`` where the column's slot is invalid.
+
+    ``valid_lo``/``valid_hi`` hold the validity bits of columns 0..31 / 32..63; this thread's
+    columns are ``8*g + 2*lane_quad + v0``.
+    """
+    n_groups = cute.size(acc_s) // 4
+    lo = valid_lo >> Uint32(2 * lane_quad)
+    hi = valid_hi >> Uint32(2 * lane_quad)
+    for g in range(n_groups):
+        word = lo if g < 4 else hi
+        for v0 in range(2):
+            bit = (word >> Uint32(8 * (g % 4) + v0)) & Uint32(1)
+            for row in range(2):
+                i = acc_flat(v0, row, g)
+                acc_s[i] = Float32(cutlass.select_(bit != Uint32(0), acc_s[i], Float32(-math.inf)))
+
+
+def row_max(acc_s: cute.Tensor, row: int) -> Float32:
+    """Max over this thread's elements of ``row`` (0/1), then over the 4 threads of the quad."""
+    n_groups = cute.size(acc_s) // 4
+    m = acc_s[acc_flat(0, row, 0)]
+    for g in range(n_groups):
+        for v0 in range(2):
+            if const_expr(g != 0 or v0 != 0):
+                m = cute.arch.fmax(m, acc_s[acc_flat(v0, row, g)])
+    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
+    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+    return m
+
+
+def exp2_scores(acc_s: cute.Tensor, row: int, scale_log2: Float32, m: Float32) -> Float32:
+    """``p = exp2(s * scale_log2 - m)`` in place for ``row``; returns this thread's partial sum."""
+    n_groups = cute.size(acc_s) // 4
+    neg_m = -m
+    total = Float32(0.0)
+    for g in range(n_groups):
+        for v0 in range(2):
+            i = acc_flat(v0, row, g)
+            p = cute.math.exp2(acc_s[i] * scale_log2 + neg_m, fastmath=True)
+            acc_s[i] = p
+            total = total + p
+    return total
+
+
+def scale_rows(acc: cute.Tensor, s0: Float32, s1: Float32) -> None:
+    """Multiply row 0 of this thread's fragment by ``s0`` and row 1 by ``s1``."""
+    n_groups = cute.size(acc) // 4
+    for g in range(n_groups):
+        for v0 in range(2):
+            acc[acc_flat(v0, 0, g)] = acc[acc_flat(v0, 0, g)] * s0
+            acc[acc_flat(v0, 1, g)] = acc[acc_flat(v0, 1, g)] * s1
+
+
+def quad_sum(x: Float32) -> Float32:
+    """Sum over the 4 threads of a quad (the threads sharing a row of the fragment)."""
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x
+
+
+def fragment_row(idx_in_wg: Int32, row: int) -> Int32:
+    """Row (0..63) of the 64-row wgmma fragment that element-row ``row`` of thread ``idx_in_wg`` holds."""
+    return (idx_in_wg // 32) * 16 + (idx_in_wg % 32) // 4 + 8 * row

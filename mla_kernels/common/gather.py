@@ -1,0 +1,88 @@
+"""Top-k KV row gather by a 128-thread producer warpgroup (Hopper cp.async; also usable on sm100).
+
+:class:`KvGather` owns the per-thread constants (smem/gmem base addresses, the L2 policy) and the
+per-thread index registers of the blocks in flight.  Layout contract with the kernels: a KV block
+is 64 rows x ``d_qk`` bf16 in smem as ``d_qk/64`` tiles of ``[64 rows x 64 cols]``, each tile
+K-major with the 128-byte swizzle (chunk ``c`` of row ``r`` at chunk ``c ^ (r % 8)``), tiles
+``64*128`` bytes apart -- the layout ``tile_to_shape(K_SW128 atom, (64, d_qk))`` wgmma reads.
+
+Thread ``t`` belongs to group ``t // 8`` (16 groups) and fills 16-byte chunk ``t % 8`` of rows
+``group + 16 j`` (j = 0..3) of every tile: each row of a tile is written by 8 consecutive
+threads, so a warp's 32 copies cover 4 full 128-byte rows.  Invalid slots are zero-filled
+without reading global memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32, Int64, Uint32
+
+from . import device as dev
+
+ROWS = 64  # rows per block
+ROWS_PER_THREAD = 4
+
+
+class KvGather:
+    """Per-thread state of the gather; ``slots`` = how many blocks' indices are held at once."""
+
+    def __init__(self, mKV: cute.Tensor, mIdx: cute.Tensor, s_idx, topk_len, ptid, d_qk: int, slots: int):
+        self.mKV = mKV
+        self.mIdx = mIdx
+        self.s_idx = s_idx
+        self.topk = mIdx.shape[1]
+        self.topk_len = topk_len
+        self.s_kv = mKV.shape[0]
+        self.d_qk = d_qk
+        self.n_tiles = d_qk // 64
+        self.ptid = ptid
+        self.group = ptid // 8
+        lane8 = ptid % 8
+        self.smem_off = self.group * 128 + ((lane8 ^ (self.group % 8)) * 16)
+        self.kv_addr = dev.gmem_addr_i64(mKV.iterator) + Int64(lane8 * 16)
+        self.row_bytes = d_qk * 2
+        self.policy = dev.createpolicy_evict_last()
+        self.src = cute.make_rmem_tensor((slots, ROWS_PER_THREAD), Int64)
+        self.ok = cute.make_rmem_tensor((slots, ROWS_PER_THREAD), Boolean)
+
+    # Loop-invariant object: dynamic loops capture it rather than carry it.
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def _index(self, slot):
+        # slot >= topk only happens past topk_len (<= topk): read a clamped slot, then invalidate.
+        idx = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
+        return idx, dev.slot_valid(idx, slot, self.s_kv, self.topk_len)
+
+    def load_indices(self, block, slot_b: int) -> None:
+        """Read this thread's 4 indices of ``block`` into register slot ``slot_b``."""
+        for j in range(ROWS_PER_THREAD):
+            slot = block * ROWS + self.group + 16 * j
+            idx, v = self._index(slot)
+            self.ok[slot_b, j] = v
+            safe = Int64(cutlass.select_(v, idx, Int32(0)))
+            self.src[slot_b, j] = self.kv_addr + safe * self.row_bytes
+
+    def copy_tiles(self, buf_addr: Int32, slot_b: int, t0: int, t1: int) -> None:
+        """cp.async tiles ``[t0, t1)`` of the block in register slot ``slot_b`` into the smem
+        buffer at ``buf_addr`` (its 32-bit shared address)."""
+        base = buf_addr + self.smem_off
+        for t in range(t0, t1):
+            for j in range(ROWS_PER_THREAD):
+                dev.cp_async_16_zfill(
+                    base + (t * ROWS * 128 + j * 16 * 128),
+                    self.src[slot_b, j] + Int64(t * 128),
+                    self.ok[slot_b, j],
+                    self.policy,
+                )
+
+    def valid_word(self, block) -> Uint32:
+        """Ballot of slot validity: thread t votes for row ``t % 64`` of ``block``; lane l of warp
+        w holds bit l = row ``32 * (w % 2) + l``.  Every lane gets the warp's word."""
+        slot = block * ROWS + self.ptid % ROWS
+        _, v = self._index(slot)
+        return Uint32(cute.arch.vote_ballot_sync(v))

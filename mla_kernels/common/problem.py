@@ -1,0 +1,69 @@
+"""The validated, normalised description of one call, as every backend receives it.
+
+``mla_kernels.api`` builds a :class:`Problem` from the user's tensors (all validation lives
+there); backends read it and never re-validate.  Host-side only (plain torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Normalised inputs of one sparse-MLA call.
+
+    Tensors are contiguous and on one device:
+
+    * ``q [s_q, h_q, d_qk]``;
+    * ``kv [s_kv, d_qk]`` (the user's ``[s_kv, 1, d_qk]`` is viewed as 2-D; ``kv_shape`` keeps
+      the original shape so that ``dkv`` can be returned in it);
+    * ``indices [s_q, topk]`` int32 (int64 inputs converted; values outside ``[0, s_kv)``
+      mapped to -1 so no int64 value can wrap onto a valid row);
+    * ``topk_length [s_q]`` int32 clamped to ``[0, topk]``, or None;
+    * ``attn_sink [h_q]`` float32 (float64 for float64 problems), or None.
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    sm_scale: float
+    d_v: int
+    topk_length: Optional[torch.Tensor]
+    attn_sink: Optional[torch.Tensor]
+    kv_shape: torch.Size
+
+    @property
+    def s_q(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def h_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def d_qk(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def s_kv(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def topk(self) -> int:
+        return self.indices.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    def with_indices(self, indices: torch.Tensor) -> "Problem":
+        """A copy with other indices (used to pad ``topk`` to a kernel's block)."""
+        return replace(self, indices=indices)

@@ -1,0 +1,313 @@
+"""Attention distribution on Hopper (sm_90a), CuTe DSL: ``attn_sum[i, j] = sum_h exp(S_ij,h - lse_ih)``.
+
+The DSA indexer's KL target.  One CTA per query token (and head group); 384 threads:
+
+* WG2 -- producer: the forward's top-k KV gather (:class:`~mla_kernels.common.gather.KvGather`)
+  into a ring of ``NB`` full-width KV buffers, plus each block's validity bitmask.
+* WG0, WG1 -- consumers.  Q lives in *registers* (the A operand of an RS wgmma), so smem holds
+  only KV buffers.  Two modes:
+
+  - ``heads`` (h_q a multiple of 128): WG0 owns heads 0..63 and WG1 heads 64..127 of the
+    group; both consume every block of 64 indices;
+  - ``tokens`` (h_q = 64 * odd): both WGs hold the same 64 heads and take alternate blocks.
+
+  Per block: ``S = Q K^T`` (64 heads x 64 tokens, 36 k-steps), ``P = exp2(S*c - lse*log2e)`` with
+  invalid slots zeroed, a reduce-scatter over the heads held by a warp (3 butterfly steps, 14
+  shuffles instead of 48; lane ``l`` ends with the warp's sums of columns ``2l, 2l+1``), then one
+  smem pass over the warps' partials; each output element is written once.  With a single head
+  group per token, ``normalize=True`` is fused (row sum in the same CTA, one re-scale pass).
+
+For more than one head group per token (h_q > 128) each group writes its own partial row into a
+workspace and the host sums the groups (and normalises).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Boolean, Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu.common import OperandMajorMode
+
+from ..common import device as dev
+from ..common.gather import KvGather
+
+B_H = 64
+B_TOPK = 64
+THREADS = 384
+SMEM_LIMIT = 232448
+
+BAR_PSUM_ALL = 1  # both consumer WGs (heads mode)
+BAR_PSUM_WG0 = 2  # per-WG (tokens mode)
+BAR_PSUM_WG1 = 3
+BAR_TOTAL = 4  # normalisation: row total exchange (256 threads)
+BAR_TOTAL2 = 5
+
+
+class AttnDistSm90:
+    """Static configuration + host launcher + device kernel of the sm90 attention distribution."""
+
+    def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool):
+        if d_qk not in (512, 576):
+            raise ValueError(f"sm90 attn_dist supports d_qk 512 or 576, got {d_qk}")
+        if mode not in ("heads", "tokens"):
+            raise ValueError(f"mode must be 'heads' or 'tokens', got {mode!r}")
+        self.d_qk = d_qk
+        self.mode = mode
+        self.normalize = normalize
+        self.has_topk_length = has_topk_length
+        self.n_k_tiles = d_qk // 64
+        self.nb = 3  # KV ring depth
+        self.heads_per_cta = 2 * B_H if mode == "heads" else B_H
+        # per-warp column partials, double-buffered by block parity: [set][parity][warp][64]
+        self.psum_elems = (1 if mode == "heads" else 2) * 2 * (8 if mode == "heads" else 4) * B_TOPK
+        # setmaxnreg budget: 2*consumer + producer must not exceed the launch allocation of
+        # 168 regs x 384 threads (= 504 per thread-slot of a warpgroup), or the increase blocks.
+        self.regs_consumer = 224
+        self.regs_producer = 56
+        assert 2 * self.regs_consumer + self.regs_producer <= 504
+        self.smem_bytes = 0
+
+    def _mma(self):
+        """S = Q K^T with Q (A) from registers, K (B) K-major in smem: 64 heads x 64 tokens."""
+        return sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            (B_H, B_TOPK), warpgroup.OperandSource.RMEM,
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [s_q, h_q, d_qk] bf16
+        mKV: cute.Tensor,  # [s_kv, d_qk] bf16
+        mIdx: cute.Tensor,  # [s_q, topk] int32, topk % 64 == 0
+        mTopkLen: cute.Tensor,  # [s_q] int32 (read only if has_topk_length)
+        mLse: cute.Tensor,  # [s_q, h_q] f32
+        mOut: cute.Tensor,  # [n_groups, s_q, topk] f32
+        scale_log2: Float32,
+        stream,
+    ):
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        sK_layout = cute.tile_to_shape(k_atom, (B_TOPK, self.d_qk), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout) * self.nb], 1024]
+            psum: cute.struct.Align[cute.struct.MemRange[Float32, self.psum_elems], 16]
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.nb]
+            sValid: cute.struct.MemRange[Uint32, 2 * self.nb]
+            sTotal: cute.struct.MemRange[Float32, 8]
+
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
+        s_q = mQ.shape[0]
+        n_groups = mQ.shape[1] // self.heads_per_cta
+        self.kernel(mQ, mKV, mIdx, mTopkLen, mLse, mOut, scale_log2, sK_layout, SharedStorage, n_groups).launch(
+            grid=[s_q * n_groups, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mTopkLen: cute.Tensor,
+        mLse: cute.Tensor,
+        mOut: cute.Tensor,
+        scale_log2: Float32,
+        sK_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+        n_groups: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+        idx_in_wg = tidx % 128
+        grp = bidx % n_groups
+        s_idx = bidx // n_groups
+        heads_mode = const_expr(self.mode == "heads")
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar = storage.mbar.data_ptr()
+        n_consumers = 256 if heads_mode else 128
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for b in cutlass.range_constexpr(self.nb):
+                    # ready: 128 cp.async arrivals + 2 mask-writer arrivals; free: the consumers
+                    dev.HalfBufferBarriers.init(mbar + 2 * b, mbar + 2 * b + 1, 128 + 2, n_consumers)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        topk = mIdx.shape[1]
+        topk_len = topk
+        if const_expr(self.has_topk_length):
+            topk_len = mTopkLen[s_idx]
+        num_blocks = (topk_len + (B_TOPK - 1)) // B_TOPK
+
+        sK_base = storage.sK.data_ptr()
+        sValid = storage.sValid.get_tensor(cute.make_layout(2 * self.nb))
+        psum = storage.psum.get_tensor(cute.make_layout(self.psum_elems))
+        sTotal = storage.sTotal.get_tensor(cute.make_layout(8))
+        buf_elems = cute.cosize(sK_layout)
+
+        if wg == 2:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            gather = KvGather(mKV, mIdx, s_idx, topk_len, idx_in_wg, self.d_qk, slots=1)
+            buf0_addr = dev.smem_addr_u32(sK_base)
+            warp_in_wg = warp_idx % 4
+            for b in cutlass.range(num_blocks, unroll=1):
+                slot = b % self.nb
+                bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
+                gather.load_indices(b, 0)
+                bits = gather.valid_word(b)
+                bars.wait_free((b // self.nb) & 1)
+                gather.copy_tiles(buf0_addr + slot * (buf_elems * 2), 0, 0, self.n_k_tiles)
+                bars.commit_cp_async()
+                if warp_in_wg < 2:
+                    if idx_in_wg % 32 == 0:
+                        sValid[2 * slot + warp_in_wg] = bits
+                        cute.arch.mbarrier_arrive(bars.ready)
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            self.consumer(
+                mQ, mLse, mOut, scale_log2, sK_layout, sK_base, sValid, psum, sTotal, mbar,
+                s_idx, grp, num_blocks, topk, wg, idx_in_wg, warp_idx,
+            )
+
+    @cute.jit
+    def consumer(
+        self,
+        mQ: cute.Tensor,
+        mLse: cute.Tensor,
+        mOut: cute.Tensor,
+        scale_log2: Float32,
+        sK_layout: cute.ComposedLayout,
+        sK_base: cute.Pointer,
+        sValid: cute.Tensor,
+        psum: cute.Tensor,
+        sTotal: cute.Tensor,
+        mbar: cute.Pointer,
+        s_idx: Int32,
+        grp: Int32,
+        num_blocks: Int32,
+        topk: Int32,
+        wg: Int32,
+        idx_in_wg: Int32,
+        warp_idx: Int32,
+    ):
+        heads_mode = const_expr(self.mode == "heads")
+        mma = self._mma()
+        thr = mma.get_slice(idx_in_wg)
+        lane = idx_in_wg % 32
+        lane_quad = idx_in_wg % 4
+        warp_in_wg = warp_idx % 4
+        head0 = grp * self.heads_per_cta + (wg * B_H if heads_mode else 0)
+
+        # Q (64 heads x d_qk) straight from global into the RS A-operand registers.
+        gQ = cute.local_tile(mQ[s_idx, None, None], (B_H, self.d_qk), (head0 // B_H, 0))
+        tSrQ = thr.make_fragment_A(thr.partition_shape_A((B_H, self.d_qk)))
+        cute.autovec_copy(thr.partition_A(gQ), tSrQ)
+        neg_lse0 = -mLse[s_idx, head0 + dev.fragment_row(idx_in_wg, 0)] * dev.LOG2E
+        neg_lse1 = -mLse[s_idx, head0 + dev.fragment_row(idx_in_wg, 1)] * dev.LOG2E
+
+        acc_s = thr.make_fragment_C(thr.partition_shape_C((B_H, B_TOPK)))
+        colsum = cute.make_rmem_tensor((16,), Float32)
+        # psum layout: [set][parity][warp][64]; the set is the WG in tokens mode.
+        n_warps = 8 if heads_mode else 4
+        pset = 0 if heads_mode else wg
+        my_warp = warp_idx if heads_mode else warp_in_wg
+        total = Float32(0.0)
+
+        first = 0 if heads_mode else wg
+        stride = 1 if heads_mode else 2
+        n_mine = (num_blocks - first + (stride - 1)) // stride
+        for i in cutlass.range(n_mine, unroll=1):
+            b = first + i * stride
+            slot = b % self.nb
+            bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
+            bars.wait_ready((b // self.nb) & 1)
+            mma = self._mma()  # fresh per region: the ACCUMULATE field must not escape the loop
+            sK = cute.make_tensor(
+                cute.recast_ptr((sK_base + slot * cute.cosize(sK_layout)).align(1024), sK_layout.inner),
+                sK_layout.outer,
+            )
+            tSrK = thr.make_fragment_B(thr.partition_B(sK))
+            cute.nvgpu.warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            lo = sValid[2 * slot] >> Uint32(2 * lane_quad)
+            hi = sValid[2 * slot + 1] >> Uint32(2 * lane_quad)
+            bars.release()
+
+            # P = exp2(S*c - lse*log2e), invalid slots 0; sum this thread's two rows per column.
+            for g in cutlass.range_constexpr(8):
+                word = lo if g < 4 else hi
+                for v0 in cutlass.range_constexpr(2):
+                    p0 = cute.math.exp2(acc_s[dev.acc_flat(v0, 0, g)] * scale_log2 + neg_lse0, fastmath=True)
+                    p1 = cute.math.exp2(acc_s[dev.acc_flat(v0, 1, g)] * scale_log2 + neg_lse1, fastmath=True)
+                    bit = (word >> Uint32(8 * (g % 4) + v0)) & Uint32(1)
+                    colsum[2 * g + v0] = Float32(cutlass.select_(bit != Uint32(0), p0 + p1, Float32(0.0)))
+            # Reduce-scatter over the 8 row groups of the warp (lane bits 4, 3, 2): lane l ends
+            # with columns 2l and 2l+1 summed over the warp's 16 heads.
+            n = 16
+            for step in cutlass.range_constexpr(3):
+                off = 16 >> step
+                upper = (lane & off) != 0
+                half = n // 2
+                for k in cutlass.range_constexpr(half):
+                    send = Float32(cutlass.select_(upper, colsum[k], colsum[k + half]))
+                    keep = Float32(cutlass.select_(upper, colsum[k + half], colsum[k]))
+                    colsum[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
+                n = half
+            base = ((pset * 2 + (i & 1)) * n_warps + my_warp) * B_TOPK + 2 * lane
+            psum[base] = colsum[0]
+            psum[base + 1] = colsum[1]
+            if const_expr(heads_mode):
+                cute.arch.barrier(barrier_id=BAR_PSUM_ALL, number_of_threads=256)
+            else:
+                cute.arch.barrier(barrier_id=BAR_PSUM_WG0 + wg, number_of_threads=128)
+            # One pass over the warps' partials: the first 64 threads of the set write the block.
+            writer = idx_in_wg < B_TOPK
+            if const_expr(heads_mode):
+                writer = writer & (wg == 0)
+            if writer:
+                src = (pset * 2 + (i & 1)) * n_warps * B_TOPK + idx_in_wg
+                acc = Float32(0.0)
+                for w in cutlass.range_constexpr(n_warps):
+                    acc = acc + psum[src + w * B_TOPK]
+                mOut[grp, s_idx, b * B_TOPK + idx_in_wg] = acc
+                total = total + acc
+
+        # Slots of blocks past topk_length are never gathered: write their zeros.
+        me = wg * 128 + idx_in_wg
+        n_tail = topk - num_blocks * B_TOPK
+        for t in cutlass.range((n_tail + 255 - me) // 256, unroll=1):
+            mOut[grp, s_idx, num_blocks * B_TOPK + me + t * 256] = Float32(0.0)
+
+        if const_expr(self.normalize):
+            # Row total: the writers' partials -> smem -> all; then re-scale the row in place.
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=16)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=8)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=4)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            if lane == 0:
+                sTotal[warp_idx] = total
+            cute.arch.barrier(barrier_id=BAR_TOTAL, number_of_threads=256)
+            row_total = Float32(0.0)
+            for w in cutlass.range_constexpr(8):
+                row_total = row_total + sTotal[w]
+            inv = Float32(cutlass.select_(row_total > 0.0, 1.0 / row_total, Float32(0.0)))
+            for t in cutlass.range((num_blocks * B_TOPK + 255 - me) // 256, unroll=1):
+                j = me + t * 256
+                mOut[grp, s_idx, j] = mOut[grp, s_idx, j] * inv

@@ -1,0 +1,193 @@
+"""Shared fixtures and helpers: random problems with every edge case, comparisons, GPU gating."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+from mla_kernels import dispatch
+from mla_kernels.common import host
+
+
+def cuda_capability():
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def _dsl_importable() -> Optional[str]:
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        return f"CuTe DSL not importable: {e}"
+    return None
+
+
+def skip_unless_sm90():
+    cap = cuda_capability()
+    if cap is None:
+        return pytest.mark.skip(reason="needs a CUDA GPU (sm_90); none present")
+    if cap != (9, 0):
+        return pytest.mark.skip(reason=f"needs an sm_90 GPU; this one is sm_{cap[0]}{cap[1]}")
+    why = _dsl_importable()
+    if why:
+        return pytest.mark.skip(reason=why)
+    return pytest.mark.sm90
+
+
+def skip_unless_sm100():
+    cap = cuda_capability()
+    if cap is None:
+        return pytest.mark.skip(reason="needs a CUDA GPU (sm_100); none present")
+    if cap[0] != 10:
+        return pytest.mark.skip(reason=f"needs an sm_100 GPU; this one is sm_{cap[0]}{cap[1]}")
+    return pytest.mark.sm100
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard(request):
+    """With MLA_TEST_TIMEOUT=<s>, dump all stacks and exit if one test runs longer (a hung kernel
+    otherwise blocks the whole session without a word)."""
+    t = float(os.environ.get("MLA_TEST_TIMEOUT", "0") or 0)
+    if t > 0:
+        import faulthandler
+        import sys
+
+        print(f"\n[start] {request.node.nodeid}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(t, exit=True)
+        yield
+        faulthandler.cancel_dump_traceback_later()
+    else:
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_state(monkeypatch):
+    """Each test starts with no cached warnings/canary results and poisoned kernel outputs."""
+    dispatch.reset_state()
+    monkeypatch.setattr(host, "POISON_OUTPUTS", True)
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    yield
+    dispatch.reset_state()
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    sm_scale: float
+    d_v: int
+    topk_length: Optional[torch.Tensor]
+    attn_sink: Optional[torch.Tensor]
+
+
+def make_case(
+    s_q: int,
+    h_q: int,
+    d_qk: int,
+    s_kv: int,
+    topk: int,
+    *,
+    d_v: int = 512,
+    dtype=torch.bfloat16,
+    device="cpu",
+    invalid_frac: float = 0.1,
+    dup_frac: float = 0.05,
+    empty_rows: int = 1,
+    topk_length: bool = False,
+    sink: Optional[str] = None,
+    seed: Optional[int] = None,
+    scale: float = 0.1,
+    kv_scale: float = 1.0,
+    sm_scale: Optional[float] = None,
+    kv: Optional[torch.Tensor] = None,
+) -> Case:
+    """A random problem with invalid (-1, negative, >= s_kv) and duplicate indices, some all-invalid
+    rows, optional topk_length (with zeros) and optional sink ("finite" or "neginf").
+
+    Values follow FlashMLA's test distribution by default (``randn * 0.1`` + an offset), the one
+    the tolerances of DESIGN.md were set for; ``scale``/``kv_scale`` make harder cases."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+
+    def rnd(*shape, s):
+        # FlashMLA's test distribution at s = 0.1: randn * s plus a random per-tensor offset.
+        return torch.randn(*shape, generator=g) * s + (torch.rand((), generator=g) - 0.5) * s
+
+    q = rnd(s_q, h_q, d_qk, s=scale).to(device=device, dtype=dtype)
+    if kv is None:
+        kv = rnd(s_kv, 1, d_qk, s=scale * kv_scale).to(device=device, dtype=dtype)
+    idx = torch.randint(0, s_kv, (s_q, topk), generator=g)
+    if dup_frac > 0 and topk > 1:
+        dup = torch.rand(s_q, topk, generator=g) < dup_frac
+        src = torch.randint(0, topk, (s_q, topk), generator=g)
+        idx = torch.where(dup, idx.gather(1, src), idx)
+    if invalid_frac > 0:
+        bad = torch.rand(s_q, topk, generator=g) < invalid_frac
+        kind = torch.randint(0, 3, (s_q, topk), generator=g)
+        badval = torch.where(kind == 0, torch.full_like(idx, -1),
+                             torch.where(kind == 1, torch.randint(-1000, -1, (s_q, topk), generator=g),
+                                         s_kv + torch.randint(0, 1000, (s_q, topk), generator=g)))
+        idx = torch.where(bad, badval, idx)
+    for r in range(min(empty_rows, s_q)):
+        row = (r * 7919) % s_q
+        idx[row] = -1
+    tl = None
+    if topk_length:
+        tl = torch.randint(0, topk + 1, (s_q,), generator=g)
+        tl[:: max(1, s_q // 5)] = 0
+        if s_q > 1:
+            tl[1] = topk
+        tl = tl.to(torch.int32).to(device)
+    sk = None
+    if sink is not None:
+        sk = torch.randn(h_q, generator=g) * 2
+        if sink == "neginf":
+            sk[::2] = -math.inf
+        sk = sk.to(device=device, dtype=torch.float32)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d_qk)
+    return Case(q, kv, idx.to(torch.int32).reshape(s_q, 1, topk).to(device), sm_scale, d_v, tl, sk)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.double()
+    b = b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_close_fwd(out, max_logits, lse, ref, *, empty: torch.Tensor, rtol_l2=1e-2, lse_rtol=1e-5,
+                     abs_tol=8e-4, logit_scale=1.0):
+    """The forward tolerances of DESIGN.md (``ref`` computed in float32, ``out`` not rounded):
+    rel L2 <= 1e-2, |err| <= abs_tol + 2.5e-2 |ref| elementwise, lse/max_logits relative <= 1e-5;
+    empty rows exact; no NaN anywhere.  ``abs_tol`` is 8e-4 for values of FlashMLA's scale
+    (|v| ~ 0.1); tests with larger values scale it with |v| (P is rounded to bf16 before P.V,
+    as in every peer kernel, so the absolute error grows with |v|).  ``logit_scale`` (default 1)
+    bounds lse/max_logits errors by ``lse_rtol * max(|ref|, logit_scale)``: the tensor cores'
+    float32 accumulation error of a logit scales with the logits' magnitude, not with lse."""
+    r_out, r_ml, r_lse = ref
+    assert not torch.isnan(out).any(), "NaN in out"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    assert not torch.isnan(max_logits).any(), "NaN in max_logits"
+    e = empty
+    if e.any():
+        assert (out[e] == 0).all(), "empty rows must give out == 0"
+        assert torch.isposinf(lse[e]).all(), "empty rows must give lse == +inf"
+        assert torch.isneginf(max_logits[e]).all(), "empty rows must give max_logits == -inf"
+    ne = ~e
+    if ne.any():
+        o, ro = out[ne].float(), r_out[ne].float()
+        assert rel_l2(o, ro) <= rtol_l2, f"out rel L2 {rel_l2(o, ro):.3g}"
+        err = (o - ro).abs()
+        lim = abs_tol + 2.5e-2 * ro.abs()
+        assert (err <= lim).all(), f"out max abs err {err.max().item():.3g} (worst excess {(err - lim).max().item():.3g})"
+        for name, got, want in (("lse", lse, r_lse), ("max_logits", max_logits, r_ml)):
+            g, w = got[ne].double(), want[ne].double()
+            bad = (g - w).abs() > lse_rtol * w.abs().clamp_min(logit_scale)
+            assert not bad.any(), f"{name}: max err {(g - w).abs().max().item():.3g}"
