@@ -136,8 +136,12 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def _arch_of(device: torch.device) -> Optional[str]:
-    if device.type != "cuda":
+    if not _is_cuda(device):
         return None
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) == (9, 0):
@@ -263,8 +267,8 @@ def select(op: str, p: Problem) -> Backend:
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
     choice = _requested()
-    if choice == "reference" or p.device.type != "cuda":
-        if choice in ("sm90", "sm100") and p.device.type != "cuda":
+    if choice == "reference" or not _is_cuda(p.device):
+        if choice in ("sm90", "sm100") and not _is_cuda(p.device):
             raise BackendUnavailableError(
                 f"{ENV_BACKEND}={choice} but the inputs are on {p.device}; kernels need CUDA tensors"
             )
@@ -292,8 +296,12 @@ def select(op: str, p: Problem) -> Backend:
         else:
             reason = backend.unavailable_reason(p.device) or backend.supports(op, p)
     if reason is None and not backend.hardware_verified and os.environ.get(ENV_CANARY, "1") != "0":
-        if not _canary_ok(backend, op, p):
-            reason = f"disabled after a failed first-use check ({_disabled.get(name)})"
+        if not _canary_ok(backend, op, p):  # warned there
+            if choice != "auto":
+                raise BackendUnavailableError(
+                    f"{ENV_BACKEND}={choice} failed its first-use check: {_disabled.get(name)}"
+                )
+            return _REFERENCE
     if reason is None:
         return backend
     if choice != "auto":

@@ -133,7 +133,7 @@ class AttnDistSm90:
         s_idx = bidx // n_groups
         heads_mode = const_expr(self.mode == "heads")
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar = storage.mbar.data_ptr()
         n_consumers = 256 if heads_mode else 128

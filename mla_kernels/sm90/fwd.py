@@ -171,7 +171,7 @@ class SparseMlaFwdSm90:
         h_blk = bidx % n_hblk
         s_idx = bidx // n_hblk
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar = storage.mbar.data_ptr()
         bar_q = mbar

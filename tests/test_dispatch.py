@@ -1,0 +1,181 @@
+"""Backend selection rules, fallback warnings, forced backends and the first-use canary.
+
+Runs on the CPU: ``dispatch._is_cuda``/``_arch_of`` are patched so that CPU tensors take the GPU
+code path, and fake kernel backends (wrapping the reference, optionally corrupting results)
+are injected with ``dispatch.register_backend``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import mla_kernels as mk
+from mla_kernels import dispatch
+from mla_kernels.dispatch import ReferenceBackend
+
+from conftest import make_case
+
+
+class FakeKernel(ReferenceBackend):
+    """A 'kernel' backend: serves fwd/attn_dist for h_q % 2 == 0, optionally wrong."""
+
+    def __init__(self, name="sm90", wrong=False, verified=True, block=4):
+        self.name = name
+        self.wrong = wrong
+        self.hardware_verified = verified
+        self.topk_block = block
+        self.calls = []
+
+    def supports(self, op, p):
+        if op == "bwd":
+            return "no fake bwd"
+        if p.h_q % 2:
+            return f"h_q={p.h_q} is odd"
+        return None
+
+    def fwd(self, p):
+        self.calls.append(("fwd", p.topk))
+        assert p.topk % self.topk_block == 0, "API must pad topk to the backend's block"
+        out, ml, lse = super().fwd(p)
+        if self.wrong:
+            out = out + 1.0
+        return out, ml, lse
+
+    def attn_dist(self, p, lse, normalize):
+        self.calls.append(("attn_dist", p.topk))
+        res = super().attn_dist(p, lse, normalize)
+        return res * 2 if self.wrong else res
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    monkeypatch.setattr(dispatch, "_is_cuda", lambda d: True)
+    monkeypatch.setattr(dispatch, "_arch_of", lambda d: "sm90")
+
+
+def _case(h=4):
+    return make_case(3, h, 16, 20, 6, d_v=8, dtype=torch.float32)
+
+
+def test_cpu_uses_reference_without_warning():
+    c = _case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    assert mk.backend_for("cpu") == "reference"
+
+
+def test_auto_picks_kernel_and_pads_topk(gpu_like):
+    fake = FakeKernel()
+    dispatch.register_backend("sm90", fake)
+    c = _case()
+    out, _, _ = mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    assert fake.calls == [("fwd", 8)]  # topk 6 padded to 8
+    want = dispatch.get_backend("reference").fwd(mk.api.make_problem(c.q, c.kv, c.indices, c.sm_scale, 8))
+    torch.testing.assert_close(out, want[0])
+    res = mk.attn_dist(c.q, c.kv, c.indices, want[2], c.sm_scale)
+    assert res.shape == (3, 6)  # sliced back to the caller's topk
+
+
+def test_auto_falls_back_with_one_warning(gpu_like):
+    fake = FakeKernel()
+    dispatch.register_backend("sm90", fake)
+    c = _case(h=3)
+    with pytest.warns(RuntimeWarning, match="h_q=3 is odd"):
+        mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason does not warn twice
+        mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    assert fake.calls == []
+
+
+def test_forced_backend_raises_when_it_cannot_serve(gpu_like, monkeypatch):
+    dispatch.register_backend("sm90", FakeKernel())
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    c = _case(h=3)
+    with pytest.raises(mk.BackendUnavailableError, match="h_q=3 is odd"):
+        mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm100")
+    with pytest.raises(mk.BackendUnavailableError, match="not sm100"):
+        mk.sparse_mla_fwd(*_case_args())
+
+
+def _case_args():
+    c = _case()
+    return c.q, c.kv, c.indices, c.sm_scale, 8
+
+
+def test_forced_reference_and_bad_env(gpu_like, monkeypatch):
+    fake = FakeKernel()
+    dispatch.register_backend("sm90", fake)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "reference")
+    mk.sparse_mla_fwd(*_case_args())
+    assert fake.calls == []
+    assert mk.backend_for("cpu") == "reference"
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="MLA_KERNELS_BACKEND='tpu'"):
+        mk.sparse_mla_fwd(*_case_args())
+
+
+def test_forced_kernel_on_cpu_tensors_raises(monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    with pytest.raises(mk.BackendUnavailableError, match="kernels need CUDA tensors"):
+        mk.sparse_mla_fwd(*_case_args())
+
+
+def test_bwd_without_kernel_falls_back(gpu_like):
+    dispatch.register_backend("sm90", FakeKernel())
+    c = _case()
+    out, _, lse = mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    with pytest.warns(RuntimeWarning, match="no fake bwd"):
+        mk.sparse_mla_bwd(c.q, c.kv, out, torch.randn_like(out), c.indices, lse, c.sm_scale, 8)
+
+
+def test_canary_disables_a_wrong_unverified_backend(gpu_like):
+    fake = FakeKernel(wrong=True, verified=False)
+    dispatch.register_backend("sm90", fake)
+    c = _case()
+    with pytest.warns(RuntimeWarning, match="failed its first-use check"):
+        out, _, _ = mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    ref_out = dispatch.get_backend("reference").fwd(mk.api.make_problem(c.q, c.kv, c.indices, c.sm_scale, 8))[0]
+    torch.testing.assert_close(out, ref_out)  # the reference served the call
+    n = len(fake.calls)
+    mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    mk.attn_dist(c.q, c.kv, c.indices, torch.zeros(3, 4), c.sm_scale)
+    assert len(fake.calls) == n  # disabled for the process, every op
+    assert mk.backend_for("cpu") == "reference"
+
+
+def test_canary_passes_a_correct_unverified_backend(gpu_like, monkeypatch):
+    fake = FakeKernel(wrong=False, verified=False)
+    dispatch.register_backend("sm90", fake)
+    c = _case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+        n = len(fake.calls)
+        mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)  # canary runs once per config
+    assert len(fake.calls) == n + 1
+    monkeypatch.setenv("MLA_KERNELS_CANARY", "0")
+    dispatch.reset_state()
+    wrong = FakeKernel(wrong=True, verified=False)
+    dispatch.register_backend("sm90", wrong)
+    mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)  # canary off: served, unchecked
+    assert wrong.calls == [("fwd", 8)]
+
+
+def test_canary_catches_a_crashing_backend(gpu_like):
+    class Crashing(FakeKernel):
+        def fwd(self, p):
+            raise RuntimeError("illegal instruction")
+
+    dispatch.register_backend("sm90", Crashing(verified=False))
+    with pytest.warns(RuntimeWarning, match="raised RuntimeError"):
+        mk.sparse_mla_fwd(*_case_args())
+
+
+def test_backend_for_reports_kernel(gpu_like):
+    dispatch.register_backend("sm90", FakeKernel())
+    assert mk.backend_for("cpu") == "sm90"

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Compile every kernel of an arch (no GPU needed) and report what the compiler made of it.
+
+  python tools/compile_report.py --arch sm_90a [--json FILE] [--only NAME,...]
+
+Per kernel: ``name``, ``arch``, ``registers``, ``spill_bytes`` (stores + loads), ``stack_bytes``,
+``smem_bytes`` (dynamic smem of the launch), ``sass`` (instruction counts by full opcode, the
+modifiers kept: ``HGMMA.64x64x16.F32.BF16``, ``UTMALDG.3D``, ``UTCHMMA.2CTA`` ...) and
+``sass_base`` (counts by mnemonic: ``HGMMA``, ``UTMALDG``, ``LDGSTS``, ``BAR`` ...).
+Registers/spills come from ptxas's report (compile option ``remarks{ptx}``); SASS from
+``nvdisasm`` (package ``nvidia-cuda-nvdisasm``; without it ``sass`` is null).
+An arch without real kernels yet reports the infrastructure probe kernel, which proves the
+pipeline (DSL -> PTX -> cubin -> SASS) works for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+ARCHES = ("sm_90a", "sm_100a", "sm_103a")
+
+
+def kernels_for(arch):
+    """(name, builder) pairs; builder(arch, keep=True, dump_dir=...) -> (kernel, compiled)."""
+    from mla_kernels.common.probe import compile_probe
+
+    if arch == "sm_90a":
+        from mla_kernels.sm90 import compile_attn_dist, compile_fwd
+
+        return [
+            ("sm90_fwd_d576_h128", lambda a, **kw: compile_fwd(576, 128, False, False, a, **kw)),
+            ("sm90_fwd_d576_h128_topklen_sink", lambda a, **kw: compile_fwd(576, 128, True, True, a, **kw)),
+            ("sm90_fwd_d512_h64", lambda a, **kw: compile_fwd(512, 64, False, False, a, **kw)),
+            ("sm90_attn_dist_d576_h128_heads", lambda a, **kw: compile_attn_dist(576, 128, False, False, a, **kw)),
+            ("sm90_attn_dist_d576_h64_tokens_norm", lambda a, **kw: compile_attn_dist(576, 64, True, True, a, **kw)),
+            ("sm90_attn_dist_d512_h128_heads", lambda a, **kw: compile_attn_dist(512, 128, False, False, a, **kw)),
+            ("probe", lambda a, **kw: compile_probe(a, **kw)),
+        ]
+    # No Blackwell kernels yet: the infrastructure probe proves the pipeline for this arch.
+    return [("probe", lambda a, **kw: compile_probe(a, **kw))]
+
+
+def find_nvdisasm():
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            hits = glob.glob(os.path.join(base, "**", "bin", "nvdisasm"), recursive=True)
+            if hits:
+                return hits[0]
+    except Exception:
+        pass
+    return None
+
+
+_OP = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
+
+
+def sass_counts(sass_text):
+    full = collections.Counter()
+    for line in sass_text.splitlines():
+        m = _OP.match(line)
+        if m:
+            full[m.group(1)] += 1
+    base = collections.Counter()
+    for op, n in full.items():
+        base[op.split(".")[0]] += n
+    return dict(sorted(full.items())), dict(sorted(base.items()))
+
+
+class _CaptureFds:
+    """Capture what the compiler prints: Python-level sys.stdout/sys.stderr (the DSL prints its
+    diagnostics there) and fds 1/2 (native code)."""
+
+    def __enter__(self):
+        import io
+
+        self.tmp = tempfile.TemporaryFile(mode="w+b")
+        self.py = io.StringIO()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.saved = (os.dup(1), os.dup(2))
+        os.dup2(self.tmp.fileno(), 1)
+        os.dup2(self.tmp.fileno(), 2)
+        self.saved_py = (sys.stdout, sys.stderr)
+        sys.stdout = sys.stderr = self.py
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout, sys.stderr = self.saved_py
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.saved[0], 1)
+        os.dup2(self.saved[1], 2)
+        os.close(self.saved[0])
+        os.close(self.saved[1])
+        self.tmp.seek(0)
+        self.text = self.py.getvalue() + self.tmp.read().decode(errors="replace")
+        self.tmp.close()
+        return False
+
+
+def report_one(name, builder, arch, nvdisasm):
+    dump = tempfile.mkdtemp(prefix=f"mlak_{name}_")
+    t0 = time.time()
+    with _CaptureFds() as cap:
+        kernel, compiled = builder(arch, keep=True, dump_dir=dump, extra_options="remarks{ptx}")
+    secs = time.time() - t0
+    log = cap.text
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+    stacks = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+    rec = dict(
+        name=name,
+        arch=arch,
+        registers=max(regs) if regs else None,
+        spill_bytes=sum(a + b for a, b in spills) if spills else None,
+        stack_bytes=max(stacks) if stacks else None,
+        smem_bytes=getattr(kernel, "smem_bytes", None),
+        compile_seconds=round(secs, 2),
+        sass=None,
+        sass_base=None,
+    )
+    cubins = glob.glob(os.path.join(dump, "*.cubin"))
+    if nvdisasm and cubins:
+        out = subprocess.run([nvdisasm, "-c", cubins[0]], capture_output=True, text=True)
+        rec["sass"], rec["sass_base"] = sass_counts(out.stdout)
+    shutil.rmtree(dump, ignore_errors=True)
+    return rec
+
+
+def run(arch, only=None, json_path=None, quiet=False):
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None and not quiet:
+        print("note: nvdisasm not found (pip install nvidia-cuda-nvdisasm); SASS counts omitted")
+    recs = []
+    for name, builder in kernels_for(arch):
+        if only and name not in only:
+            continue
+        recs.append(report_one(name, builder, arch, nvdisasm))
+        if not quiet:
+            r = recs[-1]
+            sb = r["sass_base"] or {}
+            key = {k: sb.get(k, 0) for k in ("HGMMA", "UTCHMMA", "UTMALDG", "UTMASTG", "LDGSTS", "STSM", "LDL", "STL")}
+            print(f"{r['name']:<40} {arch} regs={r['registers']} spill={r['spill_bytes']}B "
+                  f"smem={r['smem_bytes']}B {r['compile_seconds']}s  {key}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(recs, f, indent=1)
+        if not quiet:
+            print(f"wrote {json_path}")
+    return recs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", required=True, choices=ARCHES)
+    ap.add_argument("--json", default="", help="write the records as a JSON list to this file")
+    ap.add_argument("--only", default="", help="comma-separated kernel names")
+    args = ap.parse_args(argv)
+    run(args.arch, set(args.only.split(",")) if args.only else None, args.json or None)
+
+
+if __name__ == "__main__":
+    main()
