@@ -154,14 +154,15 @@ def encode_tiled_map(a: TiledMapArgs, *, l2_promotion_bytes: int = 256):
         256: cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
     }[l2_promotion_bytes]
     rank = len(a.dims)
+    # Explicit cuuint64_t/cuuint32_t wrappers: some cuda-python releases reject plain ints here.
     err, tmap = cu.cuTensorMapEncodeTiled(
         dtype,
         rank,
         a.base_address,
-        [int(d) for d in a.dims],
-        [int(s) for s in a.strides_bytes],
-        [int(b) for b in a.box],
-        [1] * rank,
+        [cu.cuuint64_t(int(d)) for d in a.dims],
+        [cu.cuuint64_t(int(s)) for s in a.strides_bytes],
+        [cu.cuuint32_t(int(b)) for b in a.box],
+        [cu.cuuint32_t(1)] * rank,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         swizzle,
         promo,
