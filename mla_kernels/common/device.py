@@ -216,6 +216,25 @@ def exp2_scores(acc_s: cute.Tensor, row: int, scale_log2: Float32, m: Float32) -
     return total
 
 
+def online_softmax(acc_s, acc_o, rM, rL, scale_log2: Float32, floor0: Float32, floor1: Float32) -> None:
+    """One block of online softmax for the two rows this thread holds, in scaled-log2 units.
+
+    New running max ``m = max(floor, rowmax(S) * c)`` (``floor`` is the previous max, or a larger
+    max published by another warpgroup); ``O`` and ``l`` are rescaled by ``exp2(m_old - m)``;
+    ``S`` becomes ``P = exp2(S*c - m)`` in place; ``l += rowsum(P)`` (this thread's columns only
+    -- reduce over the quad at the end).  ``rM``/``rL`` are 2-element register tensors.
+    """
+    sf = []
+    for r, floor in ((0, floor0), (1, floor1)):
+        cur = row_max(acc_s, r) * scale_log2
+        new_m = cute.arch.fmax(floor, cur)
+        sfo = cute.math.exp2(rM[r] - new_m, fastmath=True)
+        rL[r] = rL[r] * sfo + exp2_scores(acc_s, r, scale_log2, new_m)
+        rM[r] = new_m
+        sf.append(sfo)
+    scale_rows(acc_o, sf[0], sf[1])
+
+
 def scale_rows(acc: cute.Tensor, s0: Float32, s1: Float32) -> None:
     """Multiply row 0 of this thread's fragment by ``s0`` and row 1 by ``s1``."""
     n_groups = cute.size(acc) // 4

@@ -381,16 +381,7 @@ class SparseMlaFwdSm90:
                 cute.arch.mbarrier_wait(bar_valid, parity)
                 dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
                 # Online softmax of block 0 against WG0's running max; publish the max.
-                for r in cutlass.range_constexpr(2):
-                    cur = dev.row_max(acc_s, r) * scale_log2
-                    new_m = cute.arch.fmax(rM[r], cur)
-                    sfo = cute.math.exp2(rM[r] - new_m, fastmath=True)
-                    rL[r] = rL[r] * sfo + dev.exp2_scores(acc_s, r, scale_log2, new_m)
-                    rM[r] = new_m
-                    if const_expr(r == 0):
-                        sf0 = sfo
-                    else:
-                        dev.scale_rows(acc_o, sf0, sfo)
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
                 if lane_quad == 0:
                     sM[row0] = rM[0]
                     sM[row1] = rM[1]
@@ -443,19 +434,7 @@ class SparseMlaFwdSm90:
                 dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
                 # Online softmax of block 1 against max(WG0's max, own); publish the final max.
                 cute.arch.barrier(barrier_id=BAR_WG0_MAX, number_of_threads=256)
-                m_wg0_0 = sM[row0]
-                m_wg0_1 = sM[row1]
-                for r in cutlass.range_constexpr(2):
-                    cur = dev.row_max(acc_s, r) * scale_log2
-                    peer = m_wg0_0 if r == 0 else m_wg0_1
-                    new_m = cute.arch.fmax(peer, cur)
-                    sfo = cute.math.exp2(rM[r] - new_m, fastmath=True)
-                    rL[r] = rL[r] * sfo + dev.exp2_scores(acc_s, r, scale_log2, new_m)
-                    rM[r] = new_m
-                    if const_expr(r == 0):
-                        sf0 = sfo
-                    else:
-                        dev.scale_rows(acc_o, sf0, sfo)
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM[row0], sM[row1])
                 if lane_quad == 0:
                     sM[row0] = rM[0]
                     sM[row1] = rM[1]
