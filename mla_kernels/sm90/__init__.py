@@ -87,12 +87,21 @@ class Sm90Backend(Backend):
     topk_block = 64
     hardware_verified = True
 
+    _dsl_error: Optional[str] = None
+    _dsl_checked = False
+
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         if device.type != "cuda":
             return "not a CUDA device"
         if torch.cuda.get_device_capability(device) != (9, 0):
             return "not a compute capability 9.0 (Hopper) device"
-        return None
+        if not Sm90Backend._dsl_checked:
+            try:
+                import cutlass.cute  # noqa: F401
+            except Exception as e:  # pragma: no cover - depends on the installation
+                Sm90Backend._dsl_error = f"CuTe DSL (nvidia-cutlass-dsl) not importable: {e}"
+            Sm90Backend._dsl_checked = True
+        return Sm90Backend._dsl_error
 
     def supports(self, op: str, p: Problem) -> Optional[str]:
         if op not in ("fwd", "attn_dist"):
