@@ -250,6 +250,8 @@ class AttnDistSm90:
             bars.release()
 
             # P = exp2(S*c - lse*log2e), invalid slots 0; sum this thread's two rows per column.
+            # (The mask is fused as a select rather than the forward's S = -inf pass: one pass
+            # fewer, and a caller's lse = -inf cannot turn a masked slot into NaN.)
             for g in cutlass.range_constexpr(8):
                 word = lo if g < 4 else hi
                 for v0 in cutlass.range_constexpr(2):
