@@ -111,3 +111,19 @@ def test_fwd_no_recompile_across_sizes(monkeypatch):
     n = _compile.cache_info()["entries"]
     run_and_check(make_case(77, 64, 576, 3000, 384, device="cuda"), monkeypatch)
     assert _compile.cache_info()["entries"] == n
+
+
+def test_fwd_more_than_65535_queries(monkeypatch):
+    # s_q lives on grid.x (no 65535 cap): rows past 65535 must be computed like the others.
+    s_q = 70_000
+    case = make_case(s_q, 64, 512, 500, 64, device="cuda", invalid_frac=0.1, empty_rows=3)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    out, ml, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    for r0 in (0, 65_500, s_q - 100):
+        sl = slice(r0, r0 + 100)
+        want = ref.sparse_mla_fwd_ref(case.q[sl].float(), case.kv.float(), case.indices[sl], case.sm_scale, 512)
+        valid = ref.valid_mask(case.indices[sl], 500)
+        empty = (~valid.any(dim=-1))[:, None].expand(-1, 64)
+        assert_close_fwd(out[sl], ml[sl], lse[sl], want, empty=empty)
