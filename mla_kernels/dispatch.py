@@ -2,7 +2,7 @@
 
 Rules:
 
-* CPU tensors always use the reference.
+* CPU tensors always use the reference (with one warning if a kernel backend is forced).
 * ``MLA_KERNELS_BACKEND`` (read at every call): ``auto`` (default), ``reference``, ``sm90`` or
   ``sm100``.  A forced kernel backend that cannot serve the call raises
   :class:`BackendUnavailableError` naming the reason; ``reference`` serves everything.
@@ -268,9 +268,10 @@ def select(op: str, p: Problem) -> Backend:
         raise ValueError(f"unknown op {op!r}")
     choice = _requested()
     if choice == "reference" or not _is_cuda(p.device):
-        if choice in ("sm90", "sm100") and not _is_cuda(p.device):
-            raise BackendUnavailableError(
-                f"{ENV_BACKEND}={choice} but the inputs are on {p.device}; kernels need CUDA tensors"
+        if choice in ("sm90", "sm100"):
+            _warn_once(
+                f"mla_kernels: {ENV_BACKEND}={choice} but the inputs are on {p.device}; CPU tensors "
+                f"always use the PyTorch reference"
             )
         return _REFERENCE
     arch = _arch_of(p.device)
