@@ -69,11 +69,11 @@ class ReferenceBackend(Backend):
         return ref.attn_dist_ref(p.q, p.kv, p.indices, lse, p.sm_scale, p.topk_length, normalize)
 
     def bwd(self, p, out, dout, lse, *, dlse=None, deterministic=False, return_attn_sum=False):
-        # The reference is deterministic by construction (index_add_ on CPU; on CUDA it is not
-        # bitwise reproducible, which is why the kernels carry their own deterministic mode).
+        # deterministic: the dkv scatter runs in collision-free rounds (bitwise reproducible on
+        # CUDA as well; index_add_ on CPU already is).
         return ref.sparse_mla_bwd_ref(
             p.q, p.kv, out, dout, p.indices, lse, p.sm_scale, p.d_v, p.topk_length,
-            p.attn_sink, dlse=dlse, return_attn_sum=return_attn_sum,
+            p.attn_sink, dlse=dlse, return_attn_sum=return_attn_sum, deterministic=deterministic,
         )
 
 

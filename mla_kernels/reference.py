@@ -35,6 +35,7 @@ __all__ = [
     "attn_dist_ref",
     "sparse_mla_bwd_ref",
     "effective_lse",
+    "scatter_add_rows",
 ]
 
 # Budget (bytes) for the per-chunk temporaries: gathered KV rows and the score matrices.
@@ -78,6 +79,25 @@ def _gather(kv2: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, cdt: torc
     rows = kv2.index_select(0, safe.reshape(-1)).reshape(*idx.shape, kv2.shape[-1]).to(cdt)
     # Invalid slots read row 0; zero them so no stray value (inf/nan) can leak through 0 * x.
     return rows * valid[..., None].to(cdt), safe
+
+
+def scatter_add_rows(dst: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, deterministic: bool) -> None:
+    """``dst[rows[i]] += vals[i]``.  With ``deterministic`` the additions happen in rounds in
+    which every target row is hit at most once (rank of each contribution within its row, in
+    slot order), so the result is bitwise reproducible on CUDA too, where a plain ``index_add_``
+    races float atomics."""
+    if not deterministic or rows.numel() == 0:
+        dst.index_add_(0, rows, vals)
+        return
+    order = torch.argsort(rows, stable=True)
+    r, v = rows[order], vals[order]
+    pos = torch.arange(r.numel(), device=r.device)
+    first = torch.ones_like(r, dtype=torch.bool)
+    first[1:] = r[1:] != r[:-1]
+    rank = pos - torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), dim=0).values
+    for k in range(int(rank.max().item()) + 1):
+        sel = rank == k
+        dst.index_add_(0, r[sel], v[sel])
 
 
 def effective_lse(lse: torch.Tensor, attn_sink: Optional[torch.Tensor]) -> torch.Tensor:
@@ -195,6 +215,7 @@ def sparse_mla_bwd_ref(
     attn_sink: Optional[torch.Tensor] = None,
     dlse: Optional[torch.Tensor] = None,
     return_attn_sum: bool = False,
+    deterministic: bool = False,
 ):
     """Sparse MLA backward, written out (not autograd through the forward).
 
@@ -207,6 +228,9 @@ def sparse_mla_bwd_ref(
     * ``dkv[idx] += sm_scale * dS^T @ q`` (all ``d_qk`` columns) ``+ P~^T @ dout`` (first ``d_v``),
       scatter-added over every valid slot (duplicates and rows shared by many queries add up);
     * ``d_attn_sink[h] = -sum_i exp(sink_h - lse'_ih) * delta_ih``.
+
+    ``deterministic`` makes the dkv scatter bitwise reproducible on every device
+    (:func:`scatter_add_rows`).
 
     Returns ``(dq, dkv, d_attn_sink)`` -- ``dkv`` with ``kv``'s shape, ``d_attn_sink`` None
     without a sink -- and, with ``return_attn_sum``, a fourth item ``attn_sum [s_q, topk]``
@@ -252,7 +276,7 @@ def sparse_mla_bwd_ref(
             dk_slot = torch.einsum("cht,chd->ctd", ds, qc)
             dk_slot[..., :d_v] += torch.einsum("cht,chd->ctd", p, doc)
             sel = vld.reshape(-1)
-            dkv.index_add_(0, safe.reshape(-1)[sel], dk_slot.reshape(-1, d_qk)[sel])
+            scatter_add_rows(dkv, safe.reshape(-1)[sel], dk_slot.reshape(-1, d_qk)[sel], deterministic)
             if return_attn_sum:
                 pl = torch.exp(s - lse_c[c0:c1, :, None])
                 pl = torch.where(vld[:, None, :], pl, torch.zeros_like(pl))

@@ -169,3 +169,31 @@ def test_bwd_empty_rows_have_zero_grads():
     dout = torch.randn_like(out)
     dq, dkv, _ = ref.sparse_mla_bwd_ref(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale, 8)
     assert (dq[1] == 0).all() and not torch.isnan(dq).any() and not torch.isnan(dkv).any()
+
+
+def test_deterministic_scatter_matches_and_repeats():
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 7, (500,), generator=g)  # heavy collisions
+    vals = torch.randn(500, 5, dtype=torch.float64, generator=g)
+    plain = torch.zeros(7, 5, dtype=torch.float64)
+    ref.scatter_add_rows(plain, rows, vals, deterministic=False)
+    outs = []
+    for _ in range(3):
+        d = torch.zeros(7, 5, dtype=torch.float64)
+        ref.scatter_add_rows(d, rows, vals, deterministic=True)
+        outs.append(d)
+    torch.testing.assert_close(outs[0], plain, rtol=1e-12, atol=1e-12)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    empty = torch.zeros(7, 5, dtype=torch.float64)
+    ref.scatter_add_rows(empty, rows[:0], vals[:0], deterministic=True)
+    assert (empty == 0).all()
+
+
+def test_bwd_deterministic_equals_plain():
+    case = make_case(8, 3, 16, 6, 12, d_v=8, dtype=torch.float64, dup_frac=0.5, scale=1.0)
+    out, _, lse = ref.sparse_mla_fwd_ref(case.q, case.kv, case.indices, case.sm_scale, 8)
+    dout = torch.randn_like(out)
+    a = ref.sparse_mla_bwd_ref(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale, 8)
+    b = ref.sparse_mla_bwd_ref(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale, 8, deterministic=True)
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-12, atol=1e-13)
