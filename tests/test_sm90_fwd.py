@@ -7,7 +7,6 @@ import torch
 
 import mla_kernels as mk
 from mla_kernels import reference as ref
-from mla_kernels.sm90 import BACKEND as SM90  # noqa: F401  (import check)
 
 from conftest import assert_close_fwd, make_case, skip_unless_sm90
 

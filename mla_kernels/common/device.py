@@ -79,22 +79,6 @@ def cp_async_16_zfill(
     )
 
 
-@dsl_user_op
-def ld_global_nc_i32(gmem_addr: Int64, *, loc=None, ip=None) -> Int32:
-    """Read-only (non-coherent, L1-cached) 32-bit global load."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-            "ld.global.nc.b32 $0, [$1];",
-            "=r,l",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
 def smem_addr_u32(ptr) -> Int32:
     """The 32-bit shared-memory address of an smem pointer."""
     return Int32(ptr.toint())

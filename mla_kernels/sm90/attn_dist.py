@@ -23,12 +23,10 @@ workspace and the host sums the groups (and normalises).
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 

@@ -31,7 +31,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
@@ -233,7 +233,7 @@ class SparseMlaFwdSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             self.producer(
                 mKV, mIdx, sK0_ptr, sK1_ptr, sValid, k0l, k0r, k1l, k1r, bar_valid,
-                s_idx, topk, topk_len, num_iters, idx_in_wg, warp_idx % 4,
+                s_idx, topk_len, num_iters, idx_in_wg, warp_idx % 4,
             )
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -258,7 +258,6 @@ class SparseMlaFwdSm90:
         k1r: cutlass.Constexpr,
         bar_valid,
         s_idx: Int32,
-        topk: Int32,
         topk_len: Int32,
         num_iters: Int32,
         ptid: Int32,
