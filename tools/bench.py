@@ -12,7 +12,7 @@ sets so that L2 does not hold the previous run's data.  On a machine without a G
 FLOPs (invalid slots counted, as the peers count them):
   fwd        2 * s_q * h_q * topk * (d_qk + d_v)
   attn_dist  2 * s_q * h_q * topk * d_qk
-  bwd        2 * s_q * h_q * topk * (3 * d_qk + 2 * d_v)
+  bwd        2 * s_q * h_q * topk * (3 * d_qk + 2 * d_v)   (bwd_det: the same, deterministic=True)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import mla_kernels as mk  # noqa: E402
 from mla_kernels import dispatch  # noqa: E402
 from mla_kernels.common.problem import Problem  # noqa: E402
 
-OPS = ("fwd", "attn_dist", "bwd")
+OPS = ("fwd", "attn_dist", "bwd", "bwd_det")
 
 # (name, s_q, h_q, topk, d_qk, d_v, s_kv)
 HEADLINE = [
@@ -113,18 +113,19 @@ def time_fn(fn, n_sets, warmup, reps, device):
     return statistics.median(times), times
 
 
-def backends_for(op, device, shape_problem):
+def backends_for(op, device, shape_problem, with_ref=True):
     """Backends to time for op on this device: the kernel backend (if it serves the op) + reference."""
     names = []
     arch = dispatch.backend_for(device)
     if arch != "reference":
         b = dispatch.get_backend(arch)
-        why = b.supports(op, shape_problem)
+        why = b.supports("bwd" if op == "bwd_det" else op, shape_problem)
         if why is None:
             names.append(arch)
         else:
             print(f"  [{op}] {arch} does not serve this shape: {why}")
-    names.append("reference")
+    if with_ref or not names:
+        names.append("reference")
     return names
 
 
@@ -154,13 +155,13 @@ def run(args):
             prob = Problem(st["q"], st["kv"].reshape(s_kv, d_qk), st["idx"].reshape(s_q, topk), sm_scale,
                            d_v, None, None, st["kv"].shape)
             extra = [None] * args.sets
-            if op in ("attn_dist", "bwd"):
+            if op in ("attn_dist", "bwd", "bwd_det"):
                 with forced_backend("reference"):
                     for i, s in enumerate(sets):
                         out, _, lse = mk.sparse_mla_fwd(s["q"], s["kv"], s["idx"], sm_scale, d_v)
                         extra[i] = (out, lse, torch.randn_like(out))
             ref_ms = None
-            for be in backends_for(op, device, prob):
+            for be in backends_for(op, device, prob, with_ref=not args.no_ref):
                 def call(i, s_=sets, e_=extra):
                     s = s_[i]
                     if op == "fwd":
@@ -168,7 +169,8 @@ def run(args):
                     if op == "attn_dist":
                         return mk.attn_dist(s["q"], s["kv"], s["idx"], e_[i][1], sm_scale)
                     out, lse, dout = e_[i]
-                    return mk.sparse_mla_bwd(s["q"], s["kv"], out, dout, s["idx"], lse, sm_scale, d_v)
+                    return mk.sparse_mla_bwd(s["q"], s["kv"], out, dout, s["idx"], lse, sm_scale, d_v,
+                                             deterministic=op == "bwd_det")
 
                 reps = args.reps if be != "reference" else max(20, args.ref_reps)
                 with forced_backend(be):
@@ -227,7 +229,8 @@ def run(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", default="fwd,attn_dist,bwd")
+    ap.add_argument("--ops", default="fwd,attn_dist,bwd", help="comma-separated: " + ",".join(OPS))
+    ap.add_argument("--no-ref", action="store_true", help="do not time the PyTorch reference")
     ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (the CPU default)")
     ap.add_argument("--cpu", action="store_true", help="force the CPU even if a GPU is present")

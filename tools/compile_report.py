@@ -37,7 +37,7 @@ def kernels_for(arch):
     from mla_kernels.common.probe import compile_probe
 
     if arch == "sm_90a":
-        from mla_kernels.sm90 import compile_attn_dist, compile_fwd
+        from mla_kernels.sm90 import compile_attn_dist, compile_bwd, compile_fwd
 
         return [
             ("sm90_fwd_d576_h128", lambda a, **kw: compile_fwd(576, 128, False, False, a, **kw)),
@@ -46,6 +46,11 @@ def kernels_for(arch):
             ("sm90_attn_dist_d576_h128_heads", lambda a, **kw: compile_attn_dist(576, 128, False, False, a, **kw)),
             ("sm90_attn_dist_d576_h64_tokens_norm", lambda a, **kw: compile_attn_dist(576, 64, True, True, a, **kw)),
             ("sm90_attn_dist_d512_h128_heads", lambda a, **kw: compile_attn_dist(512, 128, False, False, a, **kw)),
+            ("sm90_bwd_d576_h128", lambda a, **kw: compile_bwd(576, 128, False, arch=a, **kw)),
+            ("sm90_bwd_d576_h128_topklen_asum_sink",
+             lambda a, **kw: compile_bwd(576, 128, True, True, True, arch=a, **kw)),
+            ("sm90_bwd_d576_h128_det", lambda a, **kw: compile_bwd(576, 128, False, deterministic=True, arch=a, **kw)),
+            ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     # No Blackwell kernels yet: the infrastructure probe proves the pipeline for this arch.

@@ -79,6 +79,36 @@ def cp_async_16_zfill(
     )
 
 
+@dsl_user_op
+def red_add_v4_f32(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """``red.global.add.v4.f32``: one 16-byte vector float atomic add (sm_90+), no return value."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def st_global_v4_f32(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """A 16-byte vector store of four floats to global memory."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 def smem_addr_u32(ptr) -> Int32:
     """The 32-bit shared-memory address of an smem pointer."""
     return Int32(ptr.toint())
@@ -238,3 +268,60 @@ def quad_sum(x: Float32) -> Float32:
 def fragment_row(idx_in_wg: Int32, row: int) -> Int32:
     """Row (0..63) of the 64-row wgmma fragment that element-row ``row`` of thread ``idx_in_wg`` holds."""
     return (idx_in_wg // 32) * 16 + (idx_in_wg % 32) // 4 + 8 * row
+
+
+def quad_pair_v4(acc: cute.Tensor, g: int, odd: Boolean):
+    """Four consecutive columns of one row from a pair of quad lanes (``lane % 4`` = 2k, 2k+1).
+
+    In 8-column group ``g`` lane ``q`` holds columns ``2q, 2q+1`` of its rows 0 and 1.  One
+    shuffle pair swaps halves so that the even lane ends with row 0's columns ``2q .. 2q+3`` and
+    the odd lane with row 1's columns ``2q-2 .. 2q+1``: 16-byte vectors for global memory
+    instead of 8-byte ones.  Every lane must call this (it shuffles).
+    """
+    a0 = acc[acc_flat(0, 0, g)]
+    a1 = acc[acc_flat(1, 0, g)]
+    b0 = acc[acc_flat(0, 1, g)]
+    b1 = acc[acc_flat(1, 1, g)]
+    r0 = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, a0, b0)), offset=1)
+    r1 = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, a1, b1)), offset=1)
+    return (
+        Float32(cutlass.select_(odd, r0, a0)),
+        Float32(cutlass.select_(odd, r1, a1)),
+        Float32(cutlass.select_(odd, b0, r0)),
+        Float32(cutlass.select_(odd, b1, r1)),
+    )
+
+
+def warp_reduce_scatter_cols(colsum: cute.Tensor, lane: Int32) -> None:
+    """Sum 16 per-lane column partials (columns ``8*g + 2*(lane%4) + v``, ``colsum[2g+v]``) over
+    the 8 row groups of a warp (lane bits 4, 3, 2) by a reduce-scatter: 3 butterfly steps, 14
+    shuffles instead of 48.  Afterwards lane ``l`` holds columns ``2l, 2l+1`` in ``colsum[0:2]``.
+    """
+    n = 16
+    for step in range(3):
+        off = 16 >> step
+        upper = (lane & off) != 0
+        half = n // 2
+        for k in range(half):
+            send = Float32(cutlass.select_(upper, colsum[k], colsum[k + half]))
+            keep = Float32(cutlass.select_(upper, colsum[k + half], colsum[k]))
+            colsum[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
+        n = half
+
+
+def transpose8_lanes(vec: cute.Tensor, r8: Int32) -> None:
+    """8 x 8 transpose of 4-float vectors between lanes ``r8 = (lane // 4) % 8`` and the vector
+    slot: afterwards slot ``b`` of lane ``r8 = a`` holds what slot ``a`` of lane ``r8 = b`` held.
+    ``vec`` holds 8 slots of 4 floats (``vec[4*slot + e]``).  Three butterfly stages (lane xor
+    4, 8, 16), 48 shuffles; lanes with different ``lane % 4`` stay independent.  All lanes call it.
+    """
+    for bit in (1, 2, 4):
+        upper = (r8 & bit) != 0
+        for g in range(8):
+            if g & bit == 0:
+                h = g | bit
+                for e in range(4):
+                    send = Float32(cutlass.select_(upper, vec[4 * g + e], vec[4 * h + e]))
+                    recv = cute.arch.shuffle_sync_bfly(send, offset=4 * bit)
+                    vec[4 * g + e] = Float32(cutlass.select_(upper, recv, vec[4 * g + e]))
+                    vec[4 * h + e] = Float32(cutlass.select_(upper, vec[4 * h + e], recv))

@@ -53,7 +53,8 @@ class KvGather:
     def __new_from_mlir_values__(self, values):
         return self
 
-    def _index(self, slot):
+    def index_at(self, slot):
+        """``(idx, valid)`` of top-k ``slot`` of this token."""
         # slot >= topk only happens past topk_len (<= topk): read a clamped slot, then invalidate.
         idx = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
         return idx, dev.slot_valid(idx, slot, self.s_kv, self.topk_len)
@@ -62,7 +63,7 @@ class KvGather:
         """Read this thread's 4 indices of ``block`` into register slot ``slot_b``."""
         for j in range(ROWS_PER_THREAD):
             slot = block * ROWS + self.group + 16 * j
-            idx, v = self._index(slot)
+            idx, v = self.index_at(slot)
             self.ok[slot_b, j] = v
             safe = Int64(cutlass.select_(v, idx, Int32(0)))
             self.src[slot_b, j] = self.kv_addr + safe * self.row_bytes
@@ -84,5 +85,5 @@ class KvGather:
         """Ballot of slot validity: thread t votes for row ``t % 64`` of ``block``; lane l of warp
         w holds bit l = row ``32 * (w % 2) + l``.  Every lane gets the warp's word."""
         slot = block * ROWS + self.ptid % ROWS
-        _, v = self._index(slot)
+        _, v = self.index_at(slot)
         return Uint32(cute.arch.vote_ballot_sync(v))

@@ -1,8 +1,10 @@
 """The sm90 (Hopper) backend: CuTe DSL kernels compiled for sm_90a.
 
 ``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file:
-``fwd.py`` (sparse forward), ``attn_dist.py`` (attention distribution).  Ops without an sm90 kernel yet are reported as unsupported, so
-``auto`` dispatch serves them with the reference and says so.
+``fwd.py`` (sparse forward), ``attn_dist.py`` (attention distribution), ``bwd.py`` (backward:
+dQ, dKV and optionally the attention sum).  The backward's small host-side pieces (lse' and
+delta' per row, the dKV workspace conversion, the deterministic mode's fixed-order reduction,
+d_attn_sink) live in ``bwd_host.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ..common.backend import Backend
 from ..common.problem import Problem
 from ..common import host
 
-__all__ = ["BACKEND", "Sm90Backend", "compile_fwd"]
+__all__ = ["BACKEND", "Sm90Backend", "compile_fwd", "compile_attn_dist", "compile_bwd"]
 
 
 def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_90a", **kw):
@@ -81,6 +83,39 @@ def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: boo
     return kernel, compiled
 
 
+def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
+                attn_sum_scaled: bool = False, deterministic: bool = False, arch: str = "sm_90a", **kw):
+    """Compile the sm90 backward for one static configuration (no GPU needed)."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from .bwd import SparseMlaBwdSm90
+
+    kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, attn_sum, attn_sum_scaled, deterministic)
+    s_q, s_q2, s_q3, s_q4, s_q5, s_q6, s_q7, s_q8 = (cute.sym_int() for _ in range(8))
+    s_kv, n_ws, n_tl, n_grp = (cute.sym_int() for _ in range(4))
+    topk = cute.sym_int(divisibility=64)
+    topk2 = cute.sym_int(divisibility=64)
+    args = (
+        host.fake(BFloat16, (s_q, h_q, d_qk)),
+        host.fake(BFloat16, (s_kv, d_qk)),
+        host.fake(BFloat16, (s_q2, h_q, 512)),
+        host.fake(Int32, (s_q3, topk)),
+        host.fake(Int32, (n_tl,), align=4),
+        host.fake(Float32, (s_q4, h_q), align=4),
+        host.fake(Float32, (s_q5, h_q), align=4),
+        host.fake(Float32, (s_q6, h_q), align=4),
+        host.fake(BFloat16, (s_q7, h_q, d_qk)),
+        host.fake(Float32, (n_ws, d_qk)),
+        host.fake(Float32, (s_q8, n_grp, topk2), align=4),
+        Float32(1.0),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+    compiled = _compile.compile_kernel(kernel, *args, arch=arch, **kw)
+    return kernel, compiled
+
+
 class Sm90Backend(Backend):
     name = "sm90"
     topk_block = 64
@@ -103,13 +138,13 @@ class Sm90Backend(Backend):
         return Sm90Backend._dsl_error
 
     def supports(self, op: str, p: Problem) -> Optional[str]:
-        if op not in ("fwd", "attn_dist"):
-            return f"no sm90 {op} kernel yet"
+        if op not in ("fwd", "attn_dist", "bwd"):
+            return f"no sm90 {op} kernel"
         if p.dtype != torch.bfloat16:
             return f"dtype {p.dtype} (kernels take bfloat16)"
         if p.d_qk not in (512, 576):
             return f"d_qk={p.d_qk} (kernels take 512 or 576)"
-        if op == "fwd" and p.d_v != 512:
+        if op in ("fwd", "bwd") and p.d_v != 512:
             return f"d_v={p.d_v} (kernels take 512)"
         if p.h_q % 64:
             return f"h_q={p.h_q} (kernels take a multiple of 64)"
@@ -151,6 +186,12 @@ class Sm90Backend(Backend):
             tot = res.sum(dim=-1, keepdim=True)
             res = torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), res)
         return res
+
+
+    def bwd(self, p: Problem, out, dout, lse, *, dlse=None, deterministic=False, return_attn_sum=False):
+        from . import bwd_host
+
+        return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum)
 
 
 BACKEND = Sm90Backend()

@@ -257,18 +257,9 @@ class AttnDistSm90:
                     p1 = cute.math.exp2(acc_s[dev.acc_flat(v0, 1, g)] * scale_log2 + neg_lse1, fastmath=True)
                     bit = (word >> Uint32(8 * (g % 4) + v0)) & Uint32(1)
                     colsum[2 * g + v0] = Float32(cutlass.select_(bit != Uint32(0), p0 + p1, Float32(0.0)))
-            # Reduce-scatter over the 8 row groups of the warp (lane bits 4, 3, 2): lane l ends
-            # with columns 2l and 2l+1 summed over the warp's 16 heads.
-            n = 16
-            for step in cutlass.range_constexpr(3):
-                off = 16 >> step
-                upper = (lane & off) != 0
-                half = n // 2
-                for k in cutlass.range_constexpr(half):
-                    send = Float32(cutlass.select_(upper, colsum[k], colsum[k + half]))
-                    keep = Float32(cutlass.select_(upper, colsum[k + half], colsum[k]))
-                    colsum[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
-                n = half
+            # Reduce-scatter over the 8 row groups of the warp: lane l ends with columns 2l and
+            # 2l+1 summed over the warp's 16 heads.
+            dev.warp_reduce_scatter_cols(colsum, lane)
             base = ((pset * 2 + (i & 1)) * n_warps + my_warp) * B_TOPK + 2 * lane
             psum[base] = colsum[0]
             psum[base + 1] = colsum[1]

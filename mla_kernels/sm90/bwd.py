@@ -1,0 +1,609 @@
+"""Sparse MLA backward on Hopper (sm_90a), CuTe DSL.
+
+One CTA per (query token, 64-head block); 384 threads in three warpgroups.  Per top-k block of
+64 indices (``K = V[:, :d_v]`` is the gathered KV tile, ``c = sm_scale * log2(e)``):
+
+* WG2 -- producer (``setmaxnreg`` down).  Gathers the block's 64 KV rows with the forward's
+  16-byte ``cp.async`` gather (:class:`~mla_kernels.common.gather.KvGather`; zero-fill for invalid
+  slots) into one swizzled KV buffer, in two pieces (k-tiles ``0..3`` then ``4..``) with their
+  own ready barriers so the consumers start on the first piece, and publishes each block's
+  validity bitmask and per-row kv index (``-1`` if invalid) to smem.
+* WG0 -- "scores": ``S = Q K^T`` (all ``d_qk/64`` k-tiles), ``P = exp2(S*c - lse2)`` with invalid
+  slots zeroed (``lse2 = log2(e) * lse'``, the sink-adjusted lse, prepared on the host), P to smem
+  as bf16; optionally the attention-distribution partial ``sum_h P * exp(lse' - lse)``.
+* WG1 -- "gradients": ``dP = dO V^T`` (the ``d_v/64`` V k-tiles), then with P from smem
+  ``dS = P * (dP - delta') * sm_scale`` to smem as bf16.
+
+Then both consumer warpgroups:
+
+* ``dQ += dS K`` -- the accumulator lives in registers for the whole kernel, split by columns:
+  WG0 owns columns ``0..255`` (+ the RoPE columns ``512..575``), WG1 ``256..511``.  Written once
+  at the end (stmatrix into Q's smem, one TMA store).
+* ``dKV[idx] += dS^T Q (+ P^T dO on the first d_v columns)`` in 64-column chunks (M = 64 tokens,
+  N = 64 columns, K = 64 heads; both operands MN-major views of the smem tiles), split between
+  the two WGs by chunk.  Each chunk is scattered straight from the accumulator with 16-byte
+  ``red.global.add.v4.f32`` atomics into a float32 ``[s_kv, d_qk]`` workspace (one quad shuffle
+  turns the fragment's column pairs into 4-column vectors); the host converts it to bf16.  In
+  the deterministic variant the chunk is instead stored (no atomics) into a per-slot row of a
+  ``[tokens * head_blocks * topk, d_qk]`` workspace that the host reduces in a fixed order.
+
+All four products are SS wgmma.  smem: Q (64 x d_qk), dO (64 x 512), one KV buffer, P and dS
+(64 x 64 each): 229,376 bytes for d_qk = 576, which is why the KV buffer is single: its pieces are
+released as soon as both dQ products are done, so the next block's gather overlaps the dKV phase.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu.common import OperandMajorMode
+
+from ..common import device as dev
+from ..common.gather import KvGather
+from .. import tma
+
+B_H = 64  # heads per CTA
+B_TOPK = 64  # indices per block
+THREADS = 384
+SMEM_LIMIT = 232448
+K_MAJ = OperandMajorMode.K
+MN_MAJ = OperandMajorMode.MN
+
+# Named barrier ids (0 is __syncthreads).
+BAR_P = 1  # WG0 stored P (WG0 arrives, WG1 waits)
+BAR_DS = 2  # WG1 stored dS (both sync)
+BAR_DKV_DONE = 3  # WG1's dKV products finished reading P/dS (WG1 arrives, WG0 waits)
+BAR_ASUM = 4  # WG0 only: attention-sum partials in smem
+BAR_EPI = 5  # both: dQ epilogue
+
+
+class SparseMlaBwdSm90:
+    """Static configuration + host launcher + device kernel of the sm90 sparse backward."""
+
+    def __init__(
+        self,
+        d_qk: int,
+        d_v: int = 512,
+        has_topk_length: bool = False,
+        attn_sum: bool = False,
+        attn_sum_scaled: bool = False,
+        deterministic: bool = False,
+    ):
+        if d_qk not in (512, 576):
+            raise ValueError(f"sm90 backward supports d_qk 512 or 576, got {d_qk}")
+        if d_v != 512:
+            raise ValueError(f"sm90 backward supports d_v 512, got {d_v}")
+        self.d_qk = d_qk
+        self.d_v = d_v
+        self.has_topk_length = has_topk_length
+        self.attn_sum = attn_sum
+        self.attn_sum_scaled = attn_sum_scaled  # attn_sum needs P * exp(lse' - lse) (a sink)
+        self.deterministic = deterministic
+        self.n_k_tiles = d_qk // 64
+        self.n_v_tiles = d_v // 64
+        self.n_left = 4  # first gather piece: k-tiles 0..3
+        self.has_rope = d_qk > d_v
+        # dKV column chunks (64 wide) per warpgroup, balancing S (WG0) against dP (WG1) and the
+        # RoPE dQ columns (WG0): chunks < n_v_tiles cost two products, the RoPE chunk one.
+        if self.has_rope:
+            self.dkv_chunks = ((0, 1, 2, 8), (3, 4, 5, 6, 7))
+        else:
+            self.dkv_chunks = ((0, 1, 2, 3), (4, 5, 6, 7))
+        self.regs_consumer = 224
+        self.regs_producer = 56
+        assert 2 * self.regs_consumer + self.regs_producer <= 504
+        self.smem_bytes = 0  # set when traced
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [s_q, h_q, d_qk] bf16
+        mKV: cute.Tensor,  # [s_kv, d_qk] bf16
+        mDO: cute.Tensor,  # [s_q, h_q, d_v] bf16
+        mIdx: cute.Tensor,  # [s_q, topk] int32, topk % 64 == 0
+        mTopkLen: cute.Tensor,  # [s_q] int32 (read only if has_topk_length)
+        mLse2: cute.Tensor,  # [s_q, h_q] f32: log2(e) * lse' (+inf on empty rows)
+        mDelta: cute.Tensor,  # [s_q, h_q] f32: delta' = rowsum(O dO) - dlse * exp(lse' - lse)
+        mAsumScale: cute.Tensor,  # [s_q, h_q] f32: exp(lse' - lse) (read only if attn_sum_scaled)
+        mDQ: cute.Tensor,  # [s_q, h_q, d_qk] bf16
+        mWs: cute.Tensor,  # f32 [s_kv, d_qk] (atomic) or [s_q * n_hblk * topk, d_qk] (deterministic)
+        mAsum: cute.Tensor,  # f32 [s_q, n_hblk, topk] (written only if attn_sum)
+        scale_log2: Float32,  # sm_scale * log2(e)
+        sm_scale: Float32,
+        stream,
+    ):
+        d_qk, d_v = self.d_qk, self.d_v
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        sQ_layout = cute.tile_to_shape(k_atom, (B_H, d_qk), (0, 1))
+        sDO_layout = cute.tile_to_shape(k_atom, (B_H, d_v), (0, 1))
+        sK_layout = cute.tile_to_shape(k_atom, (B_TOPK, d_qk), (0, 1))
+        sP_layout = cute.tile_to_shape(k_atom, (B_H, B_TOPK), (0, 1))
+
+        # (h_q, d, s_q) views: one TMA box grid per (token, head block).
+        mQ_hds = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
+        mDO_hds = cute.make_tensor(mDO.iterator, cute.select(mDO.layout, mode=[1, 2, 0]))
+        mDQ_hds = cute.make_tensor(mDQ.iterator, cute.select(mDQ.layout, mode=[1, 2, 0]))
+        tma_atom_q, tma_q = tma.tile_load_atom(mQ_hds, sQ_layout, (B_H, d_qk))
+        tma_atom_do, tma_do = tma.tile_load_atom(mDO_hds, sDO_layout, (B_H, d_v))
+        tma_atom_dq, tma_dq = tma.tile_store_atom(mDQ_hds, sQ_layout, (B_H, d_qk))
+
+        psum_elems = 4 * B_TOPK if const_expr(self.attn_sum) else 4
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+            sDO: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sDO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, B_H * B_TOPK], 1024]
+            sDS: cute.struct.Align[cute.struct.MemRange[BFloat16, B_H * B_TOPK], 1024]
+            # q/dO loaded, K piece 0 ready, K piece 1 ready, K free, block metadata published
+            mbar: cute.struct.MemRange[cutlass.Int64, 5]
+            sRowIdx: cute.struct.MemRange[Int32, B_TOPK]
+            sValid: cute.struct.MemRange[Uint32, 2]
+            sPsum: cute.struct.MemRange[Float32, psum_elems]
+
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
+
+        s_q = mQ.shape[0]
+        n_hblk = mQ.shape[1] // B_H
+        self.kernel(
+            mKV, mIdx, mTopkLen, mLse2, mDelta, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
+            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_dq, tma_dq,
+            sQ_layout, sDO_layout, sK_layout, sP_layout, SharedStorage, n_hblk,
+        ).launch(
+            grid=[s_q * n_hblk, 1, 1],  # s_q on grid.x: no 65535 cap
+            block=[THREADS, 1, 1],
+            smem=self.smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mTopkLen: cute.Tensor,
+        mLse2: cute.Tensor,
+        mDelta: cute.Tensor,
+        mAsumScale: cute.Tensor,
+        mWs: cute.Tensor,
+        mAsum: cute.Tensor,
+        scale_log2: Float32,
+        sm_scale: Float32,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_do: cute.CopyAtom,
+        tma_do: cute.Tensor,
+        tma_atom_dq: cute.CopyAtom,
+        tma_dq: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sDO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+        n_hblk: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+        idx_in_wg = tidx % 128
+        h_blk = bidx % n_hblk
+        s_idx = bidx // n_hblk
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar = storage.mbar.data_ptr()
+        bar_in = mbar
+        kv_a = dev.HalfBufferBarriers(mbar + 1, mbar + 3)  # piece 0 (k-tiles 0..3)
+        kv_b = dev.HalfBufferBarriers(mbar + 2, mbar + 3)  # piece 1; one shared free barrier
+        bar_meta = mbar + 4
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_do)
+            cpasync.prefetch_descriptor(tma_atom_dq)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bar_in, 1)
+                cute.arch.mbarrier_init(mbar + 1, 128)  # every producer thread's cp.async arrive
+                cute.arch.mbarrier_init(mbar + 2, 128)
+                cute.arch.mbarrier_init(mbar + 3, 256)  # every consumer thread
+                cute.arch.mbarrier_init(bar_meta, 128)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sDO = storage.sDO.get_tensor(sDO_layout.outer, swizzle=sDO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sDS = storage.sDS.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+
+        topk = mIdx.shape[1]
+        topk_len = topk
+        if const_expr(self.has_topk_length):
+            topk_len = cutlass.max(cutlass.min(mTopkLen[s_idx], topk), 0)
+        num_blocks = (topk_len + (B_TOPK - 1)) // B_TOPK
+
+        if warp_idx == 0:
+            # The TMA copies elect their own issuing lane: they must not sit inside elect_one.
+            gQ = cute.local_tile(tma_q[None, None, s_idx], (B_H, self.d_qk), (h_blk, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            gDO = cute.local_tile(tma_do[None, None, s_idx], (B_H, self.d_v), (h_blk, 0))
+            tDsDO, tDgDO = cpasync.tma_partition(
+                tma_atom_do, 0, cute.make_layout(1), cute.group_modes(sDO, 0, 2), cute.group_modes(gDO, 0, 2)
+            )
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_in, B_H * (self.d_qk + self.d_v) * 2)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_in)
+            cute.copy(tma_atom_do, tDgDO, tDsDO, tma_bar_ptr=bar_in)
+
+        sRowIdx = storage.sRowIdx.get_tensor(cute.make_layout(B_TOPK))
+        sValid = storage.sValid.get_tensor(cute.make_layout(2))
+        sPsum = storage.sPsum.get_tensor(cute.make_layout(4 * B_TOPK if const_expr(self.attn_sum) else 4))
+        sK_ptr = storage.sK.data_ptr()
+
+        if wg == 2:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            self.producer(mKV, mIdx, sK_ptr, sRowIdx, sValid, kv_a, kv_b, bar_meta,
+                          s_idx, topk_len, num_blocks, idx_in_wg, warp_idx % 4)
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            self.consumer(
+                mLse2, mDelta, mAsumScale, mWs, mAsum, scale_log2, sm_scale, tma_atom_dq, tma_dq,
+                sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, bar_in, kv_a, kv_b, bar_meta,
+                s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, wg, idx_in_wg, warp_idx,
+            )
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def producer(
+        self,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        sK_ptr: cute.Pointer,
+        sRowIdx: cute.Tensor,
+        sValid: cute.Tensor,
+        kv_a: cutlass.Constexpr,
+        kv_b: cutlass.Constexpr,
+        bar_meta,
+        s_idx: Int32,
+        topk_len: Int32,
+        num_blocks: Int32,
+        ptid: Int32,
+        warp_in_wg: Int32,
+    ):
+        """WG2: gather each block's KV rows in two pieces; publish row indices and validity."""
+        gather = KvGather(mKV, mIdx, s_idx, topk_len, ptid, self.d_qk, slots=1)
+        sK_addr = dev.smem_addr_u32(sK_ptr)
+        for b in cutlass.range(num_blocks, unroll=1):
+            parity = b & 1
+            gather.load_indices(b, 0)
+            row_idx, row_ok = gather.index_at(b * B_TOPK + ptid % B_TOPK)
+            bits = Uint32(cute.arch.vote_ballot_sync(row_ok))
+            # The buffer (and the metadata: every consumer read of block b-1's happened before
+            # its free arrive) is free once both dQ products of block b-1 are done.
+            kv_a.wait_free(parity)
+            gather.copy_tiles(sK_addr, 0, 0, self.n_left)
+            kv_a.commit_cp_async()
+            gather.copy_tiles(sK_addr, 0, self.n_left, self.n_k_tiles)
+            kv_b.commit_cp_async()
+            if ptid < B_TOPK:
+                sRowIdx[ptid] = Int32(cutlass.select_(row_ok, row_idx, Int32(-1)))
+            if warp_in_wg < 2:
+                if ptid % 32 == 0:
+                    sValid[warp_in_wg] = bits
+            cute.arch.mbarrier_arrive(bar_meta)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer(
+        self,
+        mLse2: cute.Tensor,
+        mDelta: cute.Tensor,
+        mAsumScale: cute.Tensor,
+        mWs: cute.Tensor,
+        mAsum: cute.Tensor,
+        scale_log2: Float32,
+        sm_scale: Float32,
+        tma_atom_dq: cute.CopyAtom,
+        tma_dq: cute.Tensor,
+        sQ: cute.Tensor,
+        sDO: cute.Tensor,
+        sK: cute.Tensor,
+        sP: cute.Tensor,
+        sDS: cute.Tensor,
+        sRowIdx: cute.Tensor,
+        sValid: cute.Tensor,
+        sPsum: cute.Tensor,
+        bar_in,
+        kv_a: cutlass.Constexpr,
+        kv_b: cutlass.Constexpr,
+        bar_meta,
+        s_idx: Int32,
+        h_blk: Int32,
+        n_hblk: Int32,
+        topk: Int32,
+        topk_len: Int32,
+        num_blocks: Int32,
+        wg: Int32,
+        idx_in_wg: Int32,
+        warp_idx: Int32,
+    ):
+        """WG0 / WG1: recompute P (WG0) and dS (WG1), then dQ and dKV for their columns."""
+        lane_quad = idx_in_wg % 4
+        odd = (lane_quad & 1) != 0
+        head0 = h_blk * B_H + dev.fragment_row(idx_in_wg, 0)
+        head1 = h_blk * B_H + dev.fragment_row(idx_in_wg, 1)
+        # dKV fragment rows are tokens; after quad_pair_v4 an even lane scatters its row 0, an
+        # odd lane its row 1.
+        my_row = dev.fragment_row(idx_in_wg, 0) + 8 * (lane_quad & 1)
+        # byte offset of this lane's 4-column vector inside each 8-column group
+        ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64(2 * (lane_quad & 2) * 4)
+        row_bytes = Int64(self.d_qk * 4)
+
+        # Products: S / dP (64 x 64, K-major x K-major), dQ (64 x 256 / 64 x 64, K x MN),
+        # dKV (64 tokens x 64 columns, MN x MN).
+        thr_s = self._mma(K_MAJ, K_MAJ, B_TOPK).get_slice(idx_in_wg)
+        thr_dq = self._mma(K_MAJ, MN_MAJ, 256).get_slice(idx_in_wg)
+        thr_dq64 = self._mma(K_MAJ, MN_MAJ, 64).get_slice(idx_in_wg)
+        thr_kv = self._mma(MN_MAJ, MN_MAJ, 64).get_slice(idx_in_wg)
+
+        # Transposed (MN-major) views: K^T (d x tokens), Q^T / dO^T (d x heads), dS^T / P^T
+        # (tokens x heads).
+        sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0]))
+        sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0]))
+        sDOt = cute.make_tensor(sDO.iterator, cute.select(sDO.layout, mode=[1, 0]))
+        sDSt = cute.make_tensor(sDS.iterator, cute.select(sDS.layout, mode=[1, 0]))
+        sPt = cute.make_tensor(sP.iterator, cute.select(sP.layout, mode=[1, 0]))
+
+        tDQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS))
+        tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(cute.local_tile(sKt, (256, B_TOPK), (wg, 0))))
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((B_H, 256)))
+        acc_dq.fill(0.0)
+        tKVrDS = thr_kv.make_fragment_A(thr_kv.partition_A(sDSt))
+        tKVrP = thr_kv.make_fragment_A(thr_kv.partition_A(sPt))
+        acc_kv = thr_kv.make_fragment_C(thr_kv.partition_shape_C((B_TOPK, 64)))
+        acc_s = thr_s.make_fragment_C(thr_s.partition_shape_C((B_H, B_TOPK)))
+
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        thr_st = cute.make_tiled_copy_C(st_atom, self._mma(K_MAJ, K_MAJ, B_TOPK)).get_slice(idx_in_wg)
+        rPb = cute.make_rmem_tensor_like(acc_s, BFloat16)
+        acc_dqr = thr_dq64.make_fragment_C(thr_dq64.partition_shape_C((B_H, 64)))  # RoPE dQ (WG0)
+        acc_dqr.fill(0.0)
+
+        cute.arch.mbarrier_wait(bar_in, 0)
+
+        if wg == 0:
+            # ---------------- WG0: S, P, (attention sum), dQ columns 0..255 + RoPE ----------------
+            tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+            tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))
+            tDQrKr = thr_dq64.make_fragment_B(
+                thr_dq64.partition_B(cute.local_tile(sKt, (64, B_TOPK), (self.n_k_tiles - 1, 0)))
+            )
+            tDQrDS64 = thr_dq64.make_fragment_A(thr_dq64.partition_A(sDS))
+            neg_lse2_0 = -mLse2[s_idx, head0]
+            neg_lse2_1 = -mLse2[s_idx, head1]
+            asc0 = Float32(1.0)
+            asc1 = Float32(1.0)
+            if const_expr(self.attn_sum_scaled):
+                asc0 = mAsumScale[s_idx, head0]
+                asc1 = mAsumScale[s_idx, head1]
+            colsum = cute.make_rmem_tensor((16,), Float32)
+            lane = idx_in_wg % 32
+            tPsP = thr_st.partition_D(sP)
+            for b in cutlass.range(num_blocks, unroll=1):
+                parity = b & 1
+                kv_a.wait_ready(parity)
+                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 0, 4 * self.n_left, True, False)
+                kv_b.wait_ready(parity)
+                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 4 * self.n_left, 4 * self.n_k_tiles,
+                            False, True)
+                cute.arch.mbarrier_wait(bar_meta, parity)
+                lo = sValid[0] >> Uint32(2 * lane_quad)
+                hi = sValid[1] >> Uint32(2 * lane_quad)
+                row_addr = self._row_addr(ws_base, row_bytes, sRowIdx[my_row], s_idx, h_blk, n_hblk,
+                                          topk, b, my_row)
+                row_ok = sRowIdx[my_row] >= 0
+                cute.nvgpu.warpgroup.wait_group(0)
+                # P = exp2(S*c - lse2); invalid slots 0 (select, so no NaN can leak from them).
+                for g in cutlass.range_constexpr(8):
+                    word = lo if g < 4 else hi
+                    for v0 in cutlass.range_constexpr(2):
+                        bit = ((word >> Uint32(8 * (g % 4) + v0)) & Uint32(1)) != Uint32(0)
+                        i0 = dev.acc_flat(v0, 0, g)
+                        i1 = dev.acc_flat(v0, 1, g)
+                        p0 = cute.math.exp2(acc_s[i0] * scale_log2 + neg_lse2_0, fastmath=True)
+                        p1 = cute.math.exp2(acc_s[i1] * scale_log2 + neg_lse2_1, fastmath=True)
+                        acc_s[i0] = Float32(cutlass.select_(bit, p0, Float32(0.0)))
+                        acc_s[i1] = Float32(cutlass.select_(bit, p1, Float32(0.0)))
+                        if const_expr(self.attn_sum):
+                            colsum[2 * g + v0] = acc_s[i0] * asc0 + acc_s[i1] * asc1
+                if const_expr(self.attn_sum):
+                    self._attn_sum_block(colsum, sPsum, mAsum, lane, idx_in_wg, warp_idx, h_blk, s_idx, b)
+                rPb.store(acc_s.load().to(BFloat16))
+                if b > 0:
+                    # WG1's dKV products of block b-1 still read P: wait for them.
+                    cute.arch.barrier(barrier_id=BAR_DKV_DONE, number_of_threads=256)
+                cute.copy(thr_st, thr_st.retile(rPb), tPsP)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=BAR_P, number_of_threads=256)
+                cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=256)
+                # dQ[:, 0:256] += dS K[:, 0:256];  dQ[:, 512:576] += dS K[:, 512:576]
+                cute.nvgpu.warpgroup.fence()
+                self._gemm(K_MAJ, MN_MAJ, 256, acc_dq, tDQrDS, tDQrK, 0, 4, False)
+                if const_expr(self.has_rope):
+                    self._gemm(K_MAJ, MN_MAJ, 64, acc_dqr, tDQrDS64, tDQrKr, 0, 4, False)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                kv_a.release()
+                self._dkv_chunks(self.dkv_chunks[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
+                                 row_addr, row_ok, odd, lane_quad)
+            if const_expr(self.attn_sum):
+                self._attn_sum_tail(mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg)
+        else:
+            # ---------------- WG1: dP, dS, dQ columns 256..511 ----------------
+            tDPrDO = thr_s.make_fragment_A(thr_s.partition_A(sDO))
+            tDPrV = thr_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sK, (B_TOPK, self.d_v), (0, 0))))
+            ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
+            thr_ld = cute.make_tiled_copy_C(ld_atom, self._mma(K_MAJ, K_MAJ, B_TOPK)).get_slice(idx_in_wg)
+            tPsP_ld = thr_ld.partition_S(sP)
+            tDSsDS = thr_st.partition_D(sDS)
+            rPf = cute.make_rmem_tensor_like(acc_s, Float32)
+            nd0 = -mDelta[s_idx, head0] * sm_scale
+            nd1 = -mDelta[s_idx, head1] * sm_scale
+            for b in cutlass.range(num_blocks, unroll=1):
+                parity = b & 1
+                kv_a.wait_ready(parity)
+                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 0, 4 * self.n_left, True, False)
+                kv_b.wait_ready(parity)
+                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 4 * self.n_left, 4 * self.n_v_tiles,
+                            False, True)
+                cute.arch.mbarrier_wait(bar_meta, parity)
+                row_addr = self._row_addr(ws_base, row_bytes, sRowIdx[my_row], s_idx, h_blk, n_hblk,
+                                          topk, b, my_row)
+                row_ok = sRowIdx[my_row] >= 0
+                cute.nvgpu.warpgroup.wait_group(0)
+                # dS = P (dP - delta') sm_scale, with P (bf16) from WG0 through smem.
+                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=256)
+                cute.copy(thr_ld, tPsP_ld, thr_ld.retile(rPb))
+                rPf.store(rPb.load().to(Float32))
+                for g in cutlass.range_constexpr(8):
+                    for v0 in cutlass.range_constexpr(2):
+                        i0 = dev.acc_flat(v0, 0, g)
+                        i1 = dev.acc_flat(v0, 1, g)
+                        acc_s[i0] = rPf[i0] * (acc_s[i0] * sm_scale + nd0)
+                        acc_s[i1] = rPf[i1] * (acc_s[i1] * sm_scale + nd1)
+                rPb.store(acc_s.load().to(BFloat16))
+                cute.copy(thr_st, thr_st.retile(rPb), tDSsDS)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=256)
+                # dQ[:, 256:512] += dS K[:, 256:512]
+                cute.nvgpu.warpgroup.fence()
+                self._gemm(K_MAJ, MN_MAJ, 256, acc_dq, tDQrDS, tDQrK, 0, 4, False)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                kv_a.release()
+                self._dkv_chunks(self.dkv_chunks[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
+                                 row_addr, row_ok, odd, lane_quad)
+                if b + 1 < num_blocks:
+                    cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
+
+        # ---------------- dQ epilogue: registers -> bf16 -> smem (Q's tile) -> TMA ----------------
+        cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)  # last readers of sQ done
+        thr_st_dq = cute.make_tiled_copy_C(st_atom, self._mma(K_MAJ, MN_MAJ, 256)).get_slice(idx_in_wg)
+        rDQ = cute.make_rmem_tensor_like(acc_dq, BFloat16)
+        rDQ.store(acc_dq.load().to(BFloat16))
+        cute.copy(thr_st_dq, thr_st_dq.retile(rDQ), thr_st_dq.partition_D(cute.local_tile(sQ, (B_H, 256), (0, wg))))
+        if const_expr(self.has_rope):
+            if wg == 0:
+                thr_st_r = cute.make_tiled_copy_C(st_atom, self._mma(K_MAJ, MN_MAJ, 64)).get_slice(idx_in_wg)
+                rDQr = cute.make_rmem_tensor_like(acc_dqr, BFloat16)
+                rDQr.store(acc_dqr.load().to(BFloat16))
+                cute.copy(thr_st_r, thr_st_r.retile(rDQr),
+                          thr_st_r.partition_D(cute.local_tile(sQ, (B_H, 64), (0, self.n_k_tiles - 1))))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)
+        if warp_idx == 0:
+            gDQ = cute.local_tile(tma_dq[None, None, s_idx], (B_H, self.d_qk), (h_blk, 0))
+            tDQsDQ, tDQgDQ = cpasync.tma_partition(
+                tma_atom_dq, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gDQ, 0, 2)
+            )
+            cute.copy(tma_atom_dq, tDQsDQ, tDQgDQ)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ------------------------------------------------------------------------------------------
+    def _mma(self, a_major, b_major, n: int):
+        return sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, a_major, b_major, Float32, (1, 1, 1), (64, n)
+        )
+
+    # The ACCUMULATE field is set on a fresh tiled MMA per call: a field set inside one staged
+    # region must not leak into another.
+    @cute.jit
+    def _gemm(self, a_major: cutlass.Constexpr, b_major: cutlass.Constexpr, n: cutlass.Constexpr,
+              acc, tA, tB, k0: cutlass.Constexpr, k1: cutlass.Constexpr, clear: cutlass.Constexpr):
+        """acc (+)= sum over k-steps [k0, k1) of tA[k] tB[k] (issue only)."""
+        mma = self._mma(a_major, b_major, n)
+        for k in cutlass.range_constexpr(k0, k1):
+            mma.set(warpgroup.Field.ACCUMULATE, not (clear and k == k0))
+            cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
+
+    @cute.jit
+    def _issue(self, a_major: cutlass.Constexpr, b_major: cutlass.Constexpr, n: cutlass.Constexpr,
+               acc, tA, tB, k0: cutlass.Constexpr, k1: cutlass.Constexpr, clear: cutlass.Constexpr,
+               commit: cutlass.Constexpr):
+        """fence + issue; commit the group if ``commit``."""
+        cute.nvgpu.warpgroup.fence()
+        self._gemm(a_major, b_major, n, acc, tA, tB, k0, k1, clear)
+        if const_expr(commit):
+            cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _row_addr(self, ws_base: Int64, row_bytes: Int64, kv_row: Int32, s_idx: Int32, h_blk: Int32,
+                  n_hblk: Int32, topk: Int32, b: Int32, my_row: Int32) -> Int64:
+        """Byte address of this thread's dKV destination row in the workspace."""
+        row = Int64(0)
+        if const_expr(self.deterministic):
+            row = (Int64(s_idx) * Int64(n_hblk) + Int64(h_blk)) * Int64(topk) + Int64(b * B_TOPK + my_row)
+        else:
+            row = Int64(cutlass.max(kv_row, Int32(0)))
+        return ws_base + row * row_bytes
+
+    @cute.jit
+    def _dkv_chunks(self, chunks: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
+                    row_addr: Int64, row_ok, odd, lane_quad):
+        """dKV[:, chunk] = dS^T Q[:, chunk] (+ P^T dO[:, chunk]) per 64-column chunk; scatter."""
+        for c in cutlass.range_constexpr(len(chunks)):
+            ch = chunks[c]
+            tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
+            cute.nvgpu.warpgroup.fence()
+            self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrDS, tB_q, 0, 4, True)
+            if const_expr(ch < self.n_v_tiles):
+                tB_do = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sDOt, (64, B_H), (ch, 0))))
+                self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrP, tB_do, 0, 4, False)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            for g in cutlass.range_constexpr(8):
+                v = dev.quad_pair_v4(acc_kv, g, odd)
+                if row_ok:
+                    addr = row_addr + Int64((ch * 64 + 8 * g) * 4)
+                    if const_expr(self.deterministic):
+                        dev.st_global_v4_f32(addr, v[0], v[1], v[2], v[3])
+                    else:
+                        dev.red_add_v4_f32(addr, v[0], v[1], v[2], v[3])
+
+    @cute.jit
+    def _attn_sum_block(self, colsum, sPsum, mAsum, lane, idx_in_wg, warp_idx, h_blk, s_idx, b):
+        """Sum this block's P over WG0's 64 heads; the first 64 threads write the partial row."""
+        dev.warp_reduce_scatter_cols(colsum, lane)
+        sPsum[warp_idx * B_TOPK + 2 * lane] = colsum[0]
+        sPsum[warp_idx * B_TOPK + 2 * lane + 1] = colsum[1]
+        cute.arch.barrier(barrier_id=BAR_ASUM, number_of_threads=128)
+        total = Float32(0.0)
+        if idx_in_wg < B_TOPK:
+            for w in cutlass.range_constexpr(4):
+                total = total + sPsum[w * B_TOPK + idx_in_wg]
+            mAsum[s_idx, h_blk, b * B_TOPK + idx_in_wg] = total
+        # The partials are overwritten by the next block only after every reader passed here.
+        cute.arch.barrier(barrier_id=BAR_ASUM, number_of_threads=128)
+
+    @cute.jit
+    def _attn_sum_tail(self, mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg):
+        """Slots of blocks past topk_length are never gathered: write their zeros."""
+        n_tail = topk - num_blocks * B_TOPK
+        for t in cutlass.range((n_tail + 127 - idx_in_wg) // 128, unroll=1):
+            mAsum[s_idx, h_blk, num_blocks * B_TOPK + idx_in_wg + t * 128] = Float32(0.0)

@@ -1,0 +1,152 @@
+"""Host side of the sm90 backward (``bwd.py``): per-row terms, launch, dKV conversion, and the
+deterministic mode's fixed-order reduction.
+
+Per-row terms (float32, ``[s_q, h_q]``), with ``lse' = log(exp(lse) + exp(sink))`` (``= lse``
+without a sink; ``+inf`` on empty rows):
+
+* ``lse2 = log2(e) * lse'`` -- the kernel computes ``P = exp2(S * sm_scale * log2(e) - lse2)``;
+* ``delta' = rowsum(out * dout) - dlse * exp(lse' - lse)`` -- the kernel's ``dS = P (dP - delta')``
+  (the ``dlse`` term is the gradient flowing into the returned ``lse``);
+* ``exp(lse' - lse)`` -- only with a sink and ``return_attn_sum``: ``attn_sum`` is normalised by
+  ``lse`` (not ``lse'``), so the kernel sums ``P * exp(lse' - lse)``;
+* ``d_attn_sink[h] = -sum_i exp(sink_h - lse'_ih) * rowsum(out * dout)_ih``.
+
+dKV: the default kernel adds every slot's row into a float32 ``[s_kv, d_qk]`` workspace with
+16-byte float atomics (fast; the order of additions, hence the last bits, varies from run to run);
+one ``.to(bfloat16)`` converts it.  ``deterministic=True`` runs the same kernel writing each
+(token, head block, slot) row to its own workspace row instead (no atomics), in waves of tokens
+bounded by :data:`DET_WORKSPACE_BYTES`; the rows are then summed per kv row in a fixed order
+(stable sort by kv index, ``segment_reduce`` over each run) and added to the float32 accumulator
+wave by wave.  Its cost is the workspace traffic: ``n_head_blocks * topk * d_qk * 4`` bytes per
+token written, read and gathered once more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _compile
+from ..common import host
+from ..common.problem import Problem
+from ..reference import effective_lse, valid_mask
+
+LOG2E = math.log2(math.e)
+B_H = 64
+#: Upper bound of the deterministic mode's per-wave workspace (the wave's slot rows in float32).
+DET_WORKSPACE_BYTES = 4 << 30
+#: Temporary budget of the chunked ``rowsum(out * dout)``.
+_DELTA_CHUNK_ELEMS = 1 << 26
+
+
+def rowsum_out_dout(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """``sum_d out * dout`` in float32 (products in float32 too), chunked over tokens."""
+    s_q, h_q, d_v = out.shape
+    delta = torch.empty(s_q, h_q, dtype=torch.float32, device=out.device)
+    step = max(1, _DELTA_CHUNK_ELEMS // max(1, h_q * d_v))
+    for c0 in range(0, s_q, step):
+        c1 = min(s_q, c0 + step)
+        delta[c0:c1] = (out[c0:c1].float() * dout[c0:c1].float()).sum(dim=-1)
+    return delta
+
+
+def row_terms(p: Problem, out, dout, lse, dlse, need_asum_scale: bool):
+    """``(lse2, delta', asum_scale or None, d_sink or None)`` -- see the module docstring."""
+    lse = lse.float()
+    lse_eff = effective_lse(lse, p.attn_sink)
+    delta = rowsum_out_dout(out, dout)
+    ratio = None
+    d_sink = None
+    if p.attn_sink is not None:
+        ratio = torch.exp(lse_eff - lse)
+        ratio = torch.where(torch.isposinf(lse), torch.ones_like(ratio), ratio)
+        p_sink = torch.exp(p.attn_sink.float().reshape(1, -1) - lse_eff)  # 0 on empty rows
+        d_sink = -(p_sink * delta).sum(dim=0)
+    delta_eff = delta
+    if dlse is not None:
+        dl = dlse.float()
+        delta_eff = delta - (dl * ratio if ratio is not None else dl)
+    lse2 = (lse_eff * LOG2E).contiguous()
+    asum_scale = ratio.contiguous() if (need_asum_scale and ratio is not None) else None
+    return lse2, delta_eff.contiguous(), asum_scale, d_sink
+
+
+def _kernel(p: Problem, attn_sum: bool, scaled: bool, deterministic: bool):
+    from . import compile_bwd
+
+    arch = _compile.arch_for_device(p.device)
+    has_tl = p.topk_length is not None
+    key = ("SparseMlaBwdSm90", p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, arch)
+    _, fn = _compile.cached_compile(
+        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, arch)
+    )
+    return fn
+
+
+def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False):
+    """The sm90 backward on a validated, topk-padded problem: ``(dq, dkv, d_sink[, attn_sum])``."""
+    dev = p.device
+    n_hblk = p.h_q // B_H
+    lse2, delta, asum_scale, d_sink = row_terms(p, out, dout, lse, dlse, return_attn_sum)
+    scaled = asum_scale is not None
+    fn = _kernel(p, return_attn_sum, scaled, deterministic)
+
+    dq = host.alloc((p.s_q, p.h_q, p.d_qk), torch.bfloat16, dev)
+    asum_parts = host.alloc((p.s_q, n_hblk, p.topk), torch.float32, dev) if return_attn_sum else None
+    tl = p.topk_length
+    scale_log2 = p.sm_scale * LOG2E
+    dummy_scale = torch.ones(1, p.h_q, dtype=torch.float32, device=dev)
+    dummy_asum = torch.zeros(1, 1, 64, dtype=torch.float32, device=dev)
+    dkv_acc = torch.zeros(p.s_kv, p.d_qk, dtype=torch.float32, device=dev)
+
+    def launch(c0: int, c1: int, ws: torch.Tensor) -> None:
+        fn(
+            p.q[c0:c1], p.kv, dout[c0:c1], p.indices[c0:c1],
+            tl[c0:c1] if tl is not None else host.dummy(torch.int32, dev),
+            lse2[c0:c1], delta[c0:c1],
+            asum_scale[c0:c1] if scaled else dummy_scale,
+            dq[c0:c1], ws,
+            asum_parts[c0:c1] if return_attn_sum else dummy_asum,
+            scale_log2, p.sm_scale,
+        )
+
+    if not deterministic:
+        launch(0, p.s_q, dkv_acc)
+    else:
+        rows_per_token = n_hblk * p.topk
+        per_token = rows_per_token * p.d_qk * 4
+        wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_token))
+        valid = valid_mask(p.indices, p.s_kv, p.topk_length)
+        ws = torch.empty(wave * rows_per_token, p.d_qk, dtype=torch.float32, device=dev)
+        for c0 in range(0, p.s_q, wave):
+            c1 = min(p.s_q, c0 + wave)
+            launch(c0, c1, ws)
+            reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_hblk)
+
+    dkv = dkv_acc.to(p.dtype)
+    res = (dq, dkv, d_sink)
+    if return_attn_sum:
+        res = res + (asum_parts.sum(dim=1) if n_hblk > 1 else asum_parts[:, 0],)
+    return res
+
+
+def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
+                     n_hblk: int) -> None:
+    """Deterministic ``acc[indices[s, t]] += sum_hb ws[(s * n_hblk + hb) * topk + t]`` over the
+    valid slots: rows are ordered by (kv row, token, head block, slot) with a stable sort of a
+    deterministic enumeration and summed per kv row by ``segment_reduce`` in that order."""
+    n_tok, topk = indices.shape
+    s_i, t_i = valid.nonzero(as_tuple=True)  # row-major: a fixed order
+    if s_i.numel() == 0:
+        return
+    kv_rows = indices[s_i, t_i].long()
+    hb = torch.arange(n_hblk, device=indices.device)
+    ids = ((s_i[:, None] * n_hblk + hb[None, :]) * topk + t_i[:, None]).reshape(-1)
+    keys = kv_rows[:, None].expand(-1, n_hblk).reshape(-1)
+    order = torch.argsort(keys, stable=True)
+    keys = keys[order]
+    uniq, counts = torch.unique_consecutive(keys, return_counts=True)
+    seg = torch.segment_reduce(ws[ids[order]], "sum", lengths=counts, axis=0)
+    acc[uniq] += seg  # one addition per (unique) row: no collisions
