@@ -309,15 +309,17 @@ def warp_reduce_scatter_cols(colsum: cute.Tensor, lane: Int32) -> None:
         n = half
 
 
-def transpose8_lanes(vec: cute.Tensor, r8: Int32) -> None:
-    """8 x 8 transpose of 4-float vectors between lanes ``r8 = (lane // 4) % 8`` and the vector
-    slot: afterwards slot ``b`` of lane ``r8 = a`` holds what slot ``a`` of lane ``r8 = b`` held.
-    ``vec`` holds 8 slots of 4 floats (``vec[4*slot + e]``).  Three butterfly stages (lane xor
-    4, 8, 16), 48 shuffles; lanes with different ``lane % 4`` stay independent.  All lanes call it.
+def transpose_lanes(vec: cute.Tensor, r8: Int32, n: int) -> None:
+    """``n`` x ``n`` transpose (``n`` = 4 or 8) of 4-float vectors between the lanes
+    ``(lane // 4) % n`` and the vector slot: afterwards slot ``b`` of lane index ``a`` holds what
+    slot ``a`` of lane index ``b`` held (``r8 = lane // 4``; its bits above ``n`` and ``lane % 4``
+    select independent groups).  ``vec[4*slot + e]``.  log2(n) butterfly stages (lane xor 4, 8,
+    16), ``2 * n * log2(n)`` shuffles.  All lanes call it.
     """
-    for bit in (1, 2, 4):
+    bit = 1
+    while bit < n:
         upper = (r8 & bit) != 0
-        for g in range(8):
+        for g in range(n):
             if g & bit == 0:
                 h = g | bit
                 for e in range(4):
@@ -325,3 +327,4 @@ def transpose8_lanes(vec: cute.Tensor, r8: Int32) -> None:
                     recv = cute.arch.shuffle_sync_bfly(send, offset=4 * bit)
                     vec[4 * g + e] = Float32(cutlass.select_(upper, recv, vec[4 * g + e]))
                     vec[4 * h + e] = Float32(cutlass.select_(upper, vec[4 * h + e], recv))
+        bit *= 2

@@ -84,30 +84,33 @@ def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: boo
 
 
 def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
-                attn_sum_scaled: bool = False, deterministic: bool = False, arch: str = "sm_90a", **kw):
+                attn_sum_scaled: bool = False, deterministic: bool = False, has_dlse: bool = False,
+                arch: str = "sm_90a", **kw):
     """Compile the sm90 backward for one static configuration (no GPU needed)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from .bwd import SparseMlaBwdSm90
 
-    kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, attn_sum, attn_sum_scaled, deterministic)
-    s_q, s_q2, s_q3, s_q4, s_q5, s_q6, s_q7, s_q8 = (cute.sym_int() for _ in range(8))
+    kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic)
+    sq = [cute.sym_int() for _ in range(10)]
     s_kv, n_ws, n_tl, n_grp = (cute.sym_int() for _ in range(4))
     topk = cute.sym_int(divisibility=64)
     topk2 = cute.sym_int(divisibility=64)
     args = (
-        host.fake(BFloat16, (s_q, h_q, d_qk)),
-        host.fake(BFloat16, (s_kv, d_qk)),
-        host.fake(BFloat16, (s_q2, h_q, 512)),
-        host.fake(Int32, (s_q3, topk)),
-        host.fake(Int32, (n_tl,), align=4),
-        host.fake(Float32, (s_q4, h_q), align=4),
-        host.fake(Float32, (s_q5, h_q), align=4),
-        host.fake(Float32, (s_q6, h_q), align=4),
-        host.fake(BFloat16, (s_q7, h_q, d_qk)),
-        host.fake(Float32, (n_ws, d_qk)),
-        host.fake(Float32, (s_q8, n_grp, topk2), align=4),
+        host.fake(BFloat16, (sq[0], h_q, d_qk)),  # q
+        host.fake(BFloat16, (s_kv, d_qk)),  # kv
+        host.fake(BFloat16, (sq[1], h_q, 512)),  # dout
+        host.fake(BFloat16, (sq[2], h_q, 512)),  # out
+        host.fake(Int32, (sq[3], topk)),  # indices
+        host.fake(Int32, (n_tl,), align=4),  # topk_length
+        host.fake(Float32, (sq[4], h_q), align=4),  # lse2
+        host.fake(Float32, (sq[5], h_q), align=4),  # delta correction
+        host.fake(Float32, (sq[6], h_q), align=4),  # delta out
+        host.fake(Float32, (sq[7], h_q), align=4),  # attn_sum scale
+        host.fake(BFloat16, (sq[8], h_q, d_qk)),  # dq
+        host.fake(Float32, (n_ws, d_qk)),  # dkv workspace
+        host.fake(Float32, (sq[9], n_grp, topk2), align=4),  # attn_sum partials
         Float32(1.0),
         Float32(1.0),
         host.fake_stream(),

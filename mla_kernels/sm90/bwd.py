@@ -11,8 +11,11 @@ One CTA per (query token, 64-head block); 384 threads in three warpgroups.  Per 
 * WG0 -- "scores": ``S = Q K^T`` (all ``d_qk/64`` k-tiles), ``P = exp2(S*c - lse2)`` with invalid
   slots zeroed (``lse2 = log2(e) * lse'``, the sink-adjusted lse, prepared on the host), P to smem
   as bf16; optionally the attention-distribution partial ``sum_h P * exp(lse' - lse)``.
-* WG1 -- "gradients": ``dP = dO V^T`` (the ``d_v/64`` V k-tiles), then with P from smem
-  ``dS = P * (dP - delta') * sm_scale`` to smem as bf16.
+* WG1 -- "gradients": first ``delta = rowsum(O * dO)`` for its 64 heads (straight from global
+  memory, while the first KV block is gathered; written out for the host's d_attn_sink), then
+  per block ``dP = dO V^T`` (the ``d_v/64`` V k-tiles) and, with P from smem,
+  ``dS = P * (dP - delta') * sm_scale`` to smem as bf16 (``delta' = delta - dlse * exp(lse' - lse)``,
+  the correction term from the host when the returned lse carries a gradient).
 
 Then both consumer warpgroups:
 
@@ -22,8 +25,11 @@ Then both consumer warpgroups:
 * ``dKV[idx] += dS^T Q (+ P^T dO on the first d_v columns)`` in 64-column chunks (M = 64 tokens,
   N = 64 columns, K = 64 heads; both operands MN-major views of the smem tiles), split between
   the two WGs by chunk.  Each chunk is scattered straight from the accumulator with 16-byte
-  ``red.global.add.v4.f32`` atomics into a float32 ``[s_kv, d_qk]`` workspace (one quad shuffle
-  turns the fragment's column pairs into 4-column vectors); the host converts it to bf16.  In
+  ``red.global.add.v4.f32`` atomics into a float32 ``[s_kv, d_qk]`` workspace; the host converts
+  it to bf16.  The atomics are the kernel's bottleneck, and their cost is set by the number of
+  L2 requests, so the fragment is first rearranged in registers (a quad shuffle makes 4-column
+  vectors, an 8 x 8 lane transpose puts each warp instruction on two whole rows): every atomic
+  instruction then covers 4 full 128-byte lines instead of 16 partial ones (-29% time).  In
   the deterministic variant the chunk is instead stored (no atomics) into a per-slot row of a
   ``[tokens * head_blocks * topk, d_qk]`` workspace that the host reduces in a fixed order.
 
@@ -58,6 +64,7 @@ BAR_DS = 2  # WG1 stored dS (both sync)
 BAR_DKV_DONE = 3  # WG1's dKV products finished reading P/dS (WG1 arrives, WG0 waits)
 BAR_ASUM = 4  # WG0 only: attention-sum partials in smem
 BAR_EPI = 5  # both: dQ epilogue
+BAR_DELTA = 6  # WG1 only: delta rows in smem
 
 
 class SparseMlaBwdSm90:
@@ -68,6 +75,7 @@ class SparseMlaBwdSm90:
         d_qk: int,
         d_v: int = 512,
         has_topk_length: bool = False,
+        has_dlse: bool = False,
         attn_sum: bool = False,
         attn_sum_scaled: bool = False,
         deterministic: bool = False,
@@ -79,6 +87,7 @@ class SparseMlaBwdSm90:
         self.d_qk = d_qk
         self.d_v = d_v
         self.has_topk_length = has_topk_length
+        self.has_dlse = has_dlse  # delta' = delta - mDeltaCorr (the returned lse's gradient)
         self.attn_sum = attn_sum
         self.attn_sum_scaled = attn_sum_scaled  # attn_sum needs P * exp(lse' - lse) (a sink)
         self.deterministic = deterministic
@@ -106,10 +115,12 @@ class SparseMlaBwdSm90:
         mQ: cute.Tensor,  # [s_q, h_q, d_qk] bf16
         mKV: cute.Tensor,  # [s_kv, d_qk] bf16
         mDO: cute.Tensor,  # [s_q, h_q, d_v] bf16
+        mO: cute.Tensor,  # [s_q, h_q, d_v] bf16 (the forward's output)
         mIdx: cute.Tensor,  # [s_q, topk] int32, topk % 64 == 0
         mTopkLen: cute.Tensor,  # [s_q] int32 (read only if has_topk_length)
         mLse2: cute.Tensor,  # [s_q, h_q] f32: log2(e) * lse' (+inf on empty rows)
-        mDelta: cute.Tensor,  # [s_q, h_q] f32: delta' = rowsum(O dO) - dlse * exp(lse' - lse)
+        mDeltaCorr: cute.Tensor,  # [s_q, h_q] f32: dlse * exp(lse' - lse) (read only if has_dlse)
+        mDeltaOut: cute.Tensor,  # [s_q, h_q] f32 out: rowsum(O dO) (for d_attn_sink)
         mAsumScale: cute.Tensor,  # [s_q, h_q] f32: exp(lse' - lse) (read only if attn_sum_scaled)
         mDQ: cute.Tensor,  # [s_q, h_q, d_qk] bf16
         mWs: cute.Tensor,  # f32 [s_kv, d_qk] (atomic) or [s_q * n_hblk * topk, d_qk] (deterministic)
@@ -144,9 +155,10 @@ class SparseMlaBwdSm90:
             sDS: cute.struct.Align[cute.struct.MemRange[BFloat16, B_H * B_TOPK], 1024]
             # q/dO loaded, K piece 0 ready, K piece 1 ready, K free, block metadata published
             mbar: cute.struct.MemRange[cutlass.Int64, 5]
-            sRowIdx: cute.struct.MemRange[Int32, B_TOPK]
+            sRowIdx: cute.struct.MemRange[Int32, 2 * B_TOPK]  # by block parity
             sValid: cute.struct.MemRange[Uint32, 2]
             sPsum: cute.struct.MemRange[Float32, psum_elems]
+            sDelta: cute.struct.MemRange[Float32, B_H]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -154,7 +166,7 @@ class SparseMlaBwdSm90:
         s_q = mQ.shape[0]
         n_hblk = mQ.shape[1] // B_H
         self.kernel(
-            mKV, mIdx, mTopkLen, mLse2, mDelta, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
+            mKV, mDO, mO, mIdx, mTopkLen, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_dq, tma_dq,
             sQ_layout, sDO_layout, sK_layout, sP_layout, SharedStorage, n_hblk,
         ).launch(
@@ -172,10 +184,13 @@ class SparseMlaBwdSm90:
     def kernel(
         self,
         mKV: cute.Tensor,
+        mDO: cute.Tensor,
+        mO: cute.Tensor,
         mIdx: cute.Tensor,
         mTopkLen: cute.Tensor,
         mLse2: cute.Tensor,
-        mDelta: cute.Tensor,
+        mDeltaCorr: cute.Tensor,
+        mDeltaOut: cute.Tensor,
         mAsumScale: cute.Tensor,
         mWs: cute.Tensor,
         mAsum: cute.Tensor,
@@ -250,9 +265,10 @@ class SparseMlaBwdSm90:
             cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_in)
             cute.copy(tma_atom_do, tDgDO, tDsDO, tma_bar_ptr=bar_in)
 
-        sRowIdx = storage.sRowIdx.get_tensor(cute.make_layout(B_TOPK))
+        sRowIdx = storage.sRowIdx.get_tensor(cute.make_layout(2 * B_TOPK))
         sValid = storage.sValid.get_tensor(cute.make_layout(2))
         sPsum = storage.sPsum.get_tensor(cute.make_layout(4 * B_TOPK if const_expr(self.attn_sum) else 4))
+        sDelta = storage.sDelta.get_tensor(cute.make_layout(B_H))
         sK_ptr = storage.sK.data_ptr()
 
         if wg == 2:
@@ -262,8 +278,8 @@ class SparseMlaBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
-                mLse2, mDelta, mAsumScale, mWs, mAsum, scale_log2, sm_scale, tma_atom_dq, tma_dq,
-                sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, bar_in, kv_a, kv_b, bar_meta,
+                mDO, mO, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
+                tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in, kv_a, kv_b, bar_meta,
                 s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, wg, idx_in_wg, warp_idx,
             )
 
@@ -293,15 +309,16 @@ class SparseMlaBwdSm90:
             gather.load_indices(b, 0)
             row_idx, row_ok = gather.index_at(b * B_TOPK + ptid % B_TOPK)
             bits = Uint32(cute.arch.vote_ballot_sync(row_ok))
-            # The buffer (and the metadata: every consumer read of block b-1's happened before
-            # its free arrive) is free once both dQ products of block b-1 are done.
+            # The buffer and sValid are free once both dQ products of block b-1 are done (every
+            # read of block b-1's validity happened before).  Row indices are double-buffered by
+            # block parity: the dKV scatter of block b-1 still reads its slot.
             kv_a.wait_free(parity)
             gather.copy_tiles(sK_addr, 0, 0, self.n_left)
             kv_a.commit_cp_async()
             gather.copy_tiles(sK_addr, 0, self.n_left, self.n_k_tiles)
             kv_b.commit_cp_async()
             if ptid < B_TOPK:
-                sRowIdx[ptid] = Int32(cutlass.select_(row_ok, row_idx, Int32(-1)))
+                sRowIdx[parity * B_TOPK + ptid] = Int32(cutlass.select_(row_ok, row_idx, Int32(-1)))
             if warp_in_wg < 2:
                 if ptid % 32 == 0:
                     sValid[warp_in_wg] = bits
@@ -311,8 +328,11 @@ class SparseMlaBwdSm90:
     @cute.jit
     def consumer(
         self,
+        mDO: cute.Tensor,
+        mO: cute.Tensor,
         mLse2: cute.Tensor,
-        mDelta: cute.Tensor,
+        mDeltaCorr: cute.Tensor,
+        mDeltaOut: cute.Tensor,
         mAsumScale: cute.Tensor,
         mWs: cute.Tensor,
         mAsum: cute.Tensor,
@@ -328,6 +348,7 @@ class SparseMlaBwdSm90:
         sRowIdx: cute.Tensor,
         sValid: cute.Tensor,
         sPsum: cute.Tensor,
+        sDelta: cute.Tensor,
         bar_in,
         kv_a: cutlass.Constexpr,
         kv_b: cutlass.Constexpr,
@@ -344,15 +365,9 @@ class SparseMlaBwdSm90:
     ):
         """WG0 / WG1: recompute P (WG0) and dS (WG1), then dQ and dKV for their columns."""
         lane_quad = idx_in_wg % 4
-        odd = (lane_quad & 1) != 0
         head0 = h_blk * B_H + dev.fragment_row(idx_in_wg, 0)
         head1 = h_blk * B_H + dev.fragment_row(idx_in_wg, 1)
-        # dKV fragment rows are tokens; after quad_pair_v4 an even lane scatters its row 0, an
-        # odd lane its row 1.
-        my_row = dev.fragment_row(idx_in_wg, 0) + 8 * (lane_quad & 1)
-        # byte offset of this lane's 4-column vector inside each 8-column group
-        ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64(2 * (lane_quad & 2) * 4)
-        row_bytes = Int64(self.d_qk * 4)
+        scatter = _Scatter(self, mWs, sRowIdx, idx_in_wg, s_idx, h_blk, n_hblk, topk)
 
         # Products: S / dP (64 x 64, K-major x K-major), dQ (64 x 256 / 64 x 64, K x MN),
         # dKV (64 tokens x 64 columns, MN x MN).
@@ -414,9 +429,6 @@ class SparseMlaBwdSm90:
                 cute.arch.mbarrier_wait(bar_meta, parity)
                 lo = sValid[0] >> Uint32(2 * lane_quad)
                 hi = sValid[1] >> Uint32(2 * lane_quad)
-                row_addr = self._row_addr(ws_base, row_bytes, sRowIdx[my_row], s_idx, h_blk, n_hblk,
-                                          topk, b, my_row)
-                row_ok = sRowIdx[my_row] >= 0
                 cute.nvgpu.warpgroup.wait_group(0)
                 # P = exp2(S*c - lse2); invalid slots 0 (select, so no NaN can leak from them).
                 for g in cutlass.range_constexpr(8):
@@ -449,8 +461,7 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
-                                 row_addr, row_ok, odd, lane_quad)
+                self._dkv_chunks(self.dkv_chunks[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b, topk)
             if const_expr(self.attn_sum):
                 self._attn_sum_tail(mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg)
         else:
@@ -462,8 +473,9 @@ class SparseMlaBwdSm90:
             tPsP_ld = thr_ld.partition_S(sP)
             tDSsDS = thr_st.partition_D(sDS)
             rPf = cute.make_rmem_tensor_like(acc_s, Float32)
-            nd0 = -mDelta[s_idx, head0] * sm_scale
-            nd1 = -mDelta[s_idx, head1] * sm_scale
+            self._delta_rows(mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg)
+            nd0 = -sDelta[dev.fragment_row(idx_in_wg, 0)] * sm_scale
+            nd1 = -sDelta[dev.fragment_row(idx_in_wg, 1)] * sm_scale
             for b in cutlass.range(num_blocks, unroll=1):
                 parity = b & 1
                 kv_a.wait_ready(parity)
@@ -471,10 +483,9 @@ class SparseMlaBwdSm90:
                 kv_b.wait_ready(parity)
                 self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 4 * self.n_left, 4 * self.n_v_tiles,
                             False, True)
+                # (consume this block's metadata phase before releasing the buffer: the producer
+                # must not complete the next phase before both WGs waited on this one)
                 cute.arch.mbarrier_wait(bar_meta, parity)
-                row_addr = self._row_addr(ws_base, row_bytes, sRowIdx[my_row], s_idx, h_blk, n_hblk,
-                                          topk, b, my_row)
-                row_ok = sRowIdx[my_row] >= 0
                 cute.nvgpu.warpgroup.wait_group(0)
                 # dS = P (dP - delta') sm_scale, with P (bf16) from WG0 through smem.
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=256)
@@ -496,8 +507,7 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
-                                 row_addr, row_ok, odd, lane_quad)
+                self._dkv_chunks(self.dkv_chunks[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b, topk)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
 
@@ -553,20 +563,10 @@ class SparseMlaBwdSm90:
             cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _row_addr(self, ws_base: Int64, row_bytes: Int64, kv_row: Int32, s_idx: Int32, h_blk: Int32,
-                  n_hblk: Int32, topk: Int32, b: Int32, my_row: Int32) -> Int64:
-        """Byte address of this thread's dKV destination row in the workspace."""
-        row = Int64(0)
-        if const_expr(self.deterministic):
-            row = (Int64(s_idx) * Int64(n_hblk) + Int64(h_blk)) * Int64(topk) + Int64(b * B_TOPK + my_row)
-        else:
-            row = Int64(cutlass.max(kv_row, Int32(0)))
-        return ws_base + row * row_bytes
-
-    @cute.jit
     def _dkv_chunks(self, chunks: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
-                    row_addr: Int64, row_ok, odd, lane_quad):
+                    scatter, b: Int32, topk: Int32):
         """dKV[:, chunk] = dS^T Q[:, chunk] (+ P^T dO[:, chunk]) per 64-column chunk; scatter."""
+        vec = cute.make_rmem_tensor((16,), Float32)
         for c in cutlass.range_constexpr(len(chunks)):
             ch = chunks[c]
             tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
@@ -577,14 +577,39 @@ class SparseMlaBwdSm90:
                 self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrP, tB_do, 0, 4, False)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-            for g in cutlass.range_constexpr(8):
-                v = dev.quad_pair_v4(acc_kv, g, odd)
-                if row_ok:
-                    addr = row_addr + Int64((ch * 64 + 8 * g) * 4)
-                    if const_expr(self.deterministic):
-                        dev.st_global_v4_f32(addr, v[0], v[1], v[2], v[3])
-                    else:
-                        dev.red_add_v4_f32(addr, v[0], v[1], v[2], v[3])
+            scatter.chunk(acc_kv, vec, ch, b, topk)
+
+    @cute.jit
+    def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg):
+        """WG1: ``delta = rowsum(O * dO)`` of the 64 heads (float32) -> smem (minus the dlse
+        correction) and global memory.  Thread t sums half a row: row t/2, columns (t%2)*256.."""
+        row = idx_in_wg // 2
+        head = h_blk * B_H + row
+        half = idx_in_wg % 2
+        # 64-bit row offsets: s_q * h_q * d_v can exceed 2^31 elements
+        row_off = (Int64(s_idx) * Int64(mO.shape[1]) + Int64(head)) * Int64(self.d_v)
+        row_layout = cute.make_layout((32, self.d_v // 32), stride=(1, 32))
+        gO = cute.make_tensor((mO.iterator + row_off).align(16), row_layout)
+        gDO = cute.make_tensor((mDO.iterator + row_off).align(16), row_layout)
+        rO = cute.make_rmem_tensor((32,), BFloat16)
+        rDO = cute.make_rmem_tensor((32,), BFloat16)
+        acc = Float32(0.0)
+        # a rolled loop (2 chunks in flight): fully unrolled, the 64 loads in flight spill
+        for c in cutlass.range(self.d_v // 64, unroll=2):
+            cute.autovec_copy(gO[None, half * (self.d_v // 64) + c], rO)
+            cute.autovec_copy(gDO[None, half * (self.d_v // 64) + c], rDO)
+            fo = rO.load().to(Float32)
+            fd = rDO.load().to(Float32)
+            prod = fo * fd
+            acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        if half == 0:
+            mDeltaOut[s_idx, head] = acc
+            corr = Float32(0.0)
+            if const_expr(self.has_dlse):
+                corr = mDeltaCorr[s_idx, head]
+            sDelta[row] = acc - corr
+        cute.arch.barrier(barrier_id=BAR_DELTA, number_of_threads=128)
 
     @cute.jit
     def _attn_sum_block(self, colsum, sPsum, mAsum, lane, idx_in_wg, warp_idx, h_blk, s_idx, b):
@@ -607,3 +632,60 @@ class SparseMlaBwdSm90:
         n_tail = topk - num_blocks * B_TOPK
         for t in cutlass.range((n_tail + 127 - idx_in_wg) // 128, unroll=1):
             mAsum[s_idx, h_blk, num_blocks * B_TOPK + idx_in_wg + t * 128] = Float32(0.0)
+
+
+class _Scatter:
+    """The dKV scatter of one consumer thread: row addressing (atomic workspace ``[s_kv, d_qk]`` or
+    the deterministic per-slot workspace) and the register rearrangement that makes each warp
+    instruction cover 4 whole 128-byte lines.
+
+    The 64 x 64 chunk fragment gives lane ``(r8, q)`` (``lane = 4 r8 + q``) columns ``8g + 2q``,
+    ``+1`` of rows ``r8`` and ``r8 + 8`` (of the warp's 16).  ``quad_pair_v4`` turns that into one
+    4-column vector per group g (even q: row r8, odd q: row r8 + 8); per half chunk (g = 4p..4p+3)
+    a 4 x 4 lane transpose over the low two bits of r8 then leaves instruction j of lane
+    ``(r8, q)`` with row ``4 (r8 >> 2) + j + 8 (q & 1)``, columns ``32p + 8 (r8 & 3) + 4 (q >> 1)``:
+    8 consecutive lanes cover 128 contiguous bytes of one row.
+    """
+
+    def __init__(self, kernel: SparseMlaBwdSm90, mWs, sRowIdx, idx_in_wg, s_idx, h_blk, n_hblk, topk):
+        self.deterministic = kernel.deterministic
+        self.sRowIdx = sRowIdx
+        lane = idx_in_wg % 32
+        lane_quad = lane % 4
+        self.odd = (lane_quad & 1) != 0
+        self.r8 = lane // 4
+        self.row0 = (idx_in_wg // 32) * 16 + 4 * (self.r8 >> 2) + 8 * (lane_quad & 1)
+        self.ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (self.r8 & 3) + 4 * (lane_quad >> 1)) * 4)
+        self.row_bytes = kernel.d_qk * 4
+        self.det_row0 = Int32(0)
+        if kernel.deterministic:
+            # this thread's first per-slot row; int32 suffices: the host bounds a wave's rows
+            self.det_row0 = (s_idx * n_hblk + h_blk) * topk + self.row0
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    @cute.jit
+    def chunk(self, acc_kv, vec, ch: cutlass.Constexpr, b, topk) -> None:
+        parity = b & 1
+        for p in cutlass.range_constexpr(2):
+            for s in cutlass.range_constexpr(4):
+                v = dev.quad_pair_v4(acc_kv, 4 * p + s, self.odd)
+                for e in cutlass.range_constexpr(4):
+                    vec[4 * s + e] = v[e]
+            dev.transpose_lanes(vec, self.r8, 4)
+            for j in cutlass.range_constexpr(4):
+                row = self.row0 + j
+                kv_row = self.sRowIdx[parity * B_TOPK + row]
+                if kv_row >= 0:
+                    dst = Int64(kv_row)
+                    if const_expr(self.deterministic):
+                        dst = Int64(self.det_row0 + b * B_TOPK + j)
+                    addr = self.ws_base + dst * Int64(self.row_bytes) + Int64((ch * 64 + 32 * p) * 4)
+                    if const_expr(self.deterministic):
+                        dev.st_global_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
+                    else:
+                        dev.red_add_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])

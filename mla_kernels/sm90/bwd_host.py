@@ -5,8 +5,9 @@ Per-row terms (float32, ``[s_q, h_q]``), with ``lse' = log(exp(lse) + exp(sink))
 without a sink; ``+inf`` on empty rows):
 
 * ``lse2 = log2(e) * lse'`` -- the kernel computes ``P = exp2(S * sm_scale * log2(e) - lse2)``;
-* ``delta' = rowsum(out * dout) - dlse * exp(lse' - lse)`` -- the kernel's ``dS = P (dP - delta')``
-  (the ``dlse`` term is the gradient flowing into the returned ``lse``);
+* ``delta = rowsum(out * dout)`` is computed *in* the kernel (and returned for d_attn_sink); the
+  host only supplies the correction ``dlse * exp(lse' - lse)`` when the returned ``lse`` carries a
+  gradient, so that the kernel's ``dS = P (dP - delta')`` uses ``delta' = delta - correction``;
 * ``exp(lse' - lse)`` -- only with a sink and ``return_attn_sum``: ``attn_sum`` is normalised by
   ``lse`` (not ``lse'``), so the kernel sums ``P * exp(lse' - lse)``;
 * ``d_attn_sink[h] = -sum_i exp(sink_h - lse'_ih) * rowsum(out * dout)_ih``.
@@ -37,50 +38,37 @@ LOG2E = math.log2(math.e)
 B_H = 64
 #: Upper bound of the deterministic mode's per-wave workspace (the wave's slot rows in float32).
 DET_WORKSPACE_BYTES = 4 << 30
-#: Temporary budget of the chunked ``rowsum(out * dout)``.
-_DELTA_CHUNK_ELEMS = 1 << 26
-
-
-def rowsum_out_dout(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """``sum_d out * dout`` in float32 (products in float32 too), chunked over tokens."""
-    s_q, h_q, d_v = out.shape
-    delta = torch.empty(s_q, h_q, dtype=torch.float32, device=out.device)
-    step = max(1, _DELTA_CHUNK_ELEMS // max(1, h_q * d_v))
-    for c0 in range(0, s_q, step):
-        c1 = min(s_q, c0 + step)
-        delta[c0:c1] = (out[c0:c1].float() * dout[c0:c1].float()).sum(dim=-1)
-    return delta
-
-
-def row_terms(p: Problem, out, dout, lse, dlse, need_asum_scale: bool):
-    """``(lse2, delta', asum_scale or None, d_sink or None)`` -- see the module docstring."""
+def row_terms(p: Problem, lse, dlse, need_asum_scale: bool):
+    """``(lse2, delta correction or None, asum_scale or None, lse')`` -- see the module docstring."""
     lse = lse.float()
     lse_eff = effective_lse(lse, p.attn_sink)
-    delta = rowsum_out_dout(out, dout)
     ratio = None
-    d_sink = None
     if p.attn_sink is not None:
         ratio = torch.exp(lse_eff - lse)
         ratio = torch.where(torch.isposinf(lse), torch.ones_like(ratio), ratio)
-        p_sink = torch.exp(p.attn_sink.float().reshape(1, -1) - lse_eff)  # 0 on empty rows
-        d_sink = -(p_sink * delta).sum(dim=0)
-    delta_eff = delta
+    corr = None
     if dlse is not None:
         dl = dlse.float()
-        delta_eff = delta - (dl * ratio if ratio is not None else dl)
+        corr = (dl * ratio if ratio is not None else dl).contiguous()
     lse2 = (lse_eff * LOG2E).contiguous()
     asum_scale = ratio.contiguous() if (need_asum_scale and ratio is not None) else None
-    return lse2, delta_eff.contiguous(), asum_scale, d_sink
+    return lse2, corr, asum_scale, lse_eff
 
 
-def _kernel(p: Problem, attn_sum: bool, scaled: bool, deterministic: bool):
+def d_attn_sink(p: Problem, lse_eff: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``-sum_i exp(sink_h - lse'_ih) * delta_ih`` (0 contribution from empty rows)."""
+    p_sink = torch.exp(p.attn_sink.float().reshape(1, -1) - lse_eff)
+    return -(p_sink * delta).sum(dim=0)
+
+
+def _kernel(p: Problem, attn_sum: bool, scaled: bool, deterministic: bool, has_dlse: bool):
     from . import compile_bwd
 
     arch = _compile.arch_for_device(p.device)
     has_tl = p.topk_length is not None
-    key = ("SparseMlaBwdSm90", p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, arch)
+    key = ("SparseMlaBwdSm90", p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
     _, fn = _compile.cached_compile(
-        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, arch)
+        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
     )
     return fn
 
@@ -89,31 +77,38 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
     """The sm90 backward on a validated, topk-padded problem: ``(dq, dkv, d_sink[, attn_sum])``."""
     dev = p.device
     n_hblk = p.h_q // B_H
-    lse2, delta, asum_scale, d_sink = row_terms(p, out, dout, lse, dlse, return_attn_sum)
+    lse2, corr, asum_scale, lse_eff = row_terms(p, lse, dlse, return_attn_sum)
     scaled = asum_scale is not None
-    fn = _kernel(p, return_attn_sum, scaled, deterministic)
+    fn = _kernel(p, return_attn_sum, scaled, deterministic, corr is not None)
 
     dq = host.alloc((p.s_q, p.h_q, p.d_qk), torch.bfloat16, dev)
+    delta = host.alloc((p.s_q, p.h_q), torch.float32, dev)
     asum_parts = host.alloc((p.s_q, n_hblk, p.topk), torch.float32, dev) if return_attn_sum else None
     tl = p.topk_length
     scale_log2 = p.sm_scale * LOG2E
-    dummy_scale = torch.ones(1, p.h_q, dtype=torch.float32, device=dev)
+    row_dummy = torch.ones(1, p.h_q, dtype=torch.float32, device=dev)
     dummy_asum = torch.zeros(1, 1, 64, dtype=torch.float32, device=dev)
     dkv_acc = torch.zeros(p.s_kv, p.d_qk, dtype=torch.float32, device=dev)
 
     def launch(c0: int, c1: int, ws: torch.Tensor) -> None:
         fn(
-            p.q[c0:c1], p.kv, dout[c0:c1], p.indices[c0:c1],
+            p.q[c0:c1], p.kv, dout[c0:c1], out[c0:c1], p.indices[c0:c1],
             tl[c0:c1] if tl is not None else host.dummy(torch.int32, dev),
-            lse2[c0:c1], delta[c0:c1],
-            asum_scale[c0:c1] if scaled else dummy_scale,
+            lse2[c0:c1],
+            corr[c0:c1] if corr is not None else row_dummy,
+            delta[c0:c1],
+            asum_scale[c0:c1] if scaled else row_dummy,
             dq[c0:c1], ws,
             asum_parts[c0:c1] if return_attn_sum else dummy_asum,
             scale_log2, p.sm_scale,
         )
 
     if not deterministic:
-        launch(0, p.s_q, dkv_acc)
+        # attn_sum partials are indexed with 32-bit offsets: launch in waves that keep
+        # s_q * n_head_blocks * topk below 2^31 (one launch for any realistic size)
+        wave = max(1, (2**31 - 1) // (n_hblk * p.topk))
+        for c0 in range(0, p.s_q, wave):
+            launch(c0, min(p.s_q, c0 + wave), dkv_acc)
     else:
         rows_per_token = n_hblk * p.topk
         per_token = rows_per_token * p.d_qk * 4
@@ -126,6 +121,7 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
             reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_hblk)
 
     dkv = dkv_acc.to(p.dtype)
+    d_sink = d_attn_sink(p, lse_eff, delta) if p.attn_sink is not None else None
     res = (dq, dkv, d_sink)
     if return_attn_sum:
         res = res + (asum_parts.sum(dim=1) if n_hblk > 1 else asum_parts[:, 0],)
