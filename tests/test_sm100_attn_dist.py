@@ -173,6 +173,41 @@ def test_mma_smem_layouts_match_the_writers(d_qk, heads):
             assert phys == _writer_offset(r, c, heads), key
 
 
+@pytest.mark.parametrize("heads", [64, 128])
+def test_tmem_load_gives_thread_t_token_t_all_heads(heads):
+    """The epilogue's contract: with 32x32b loads of an accumulator slot, thread t of the
+    warpgroup holds row t (token t of the block) and element h of its fragment is column h (head
+    h), so ``exp2_head_sum(fragment)`` reduces over heads and the result belongs to slot t."""
+    cute = _cutlass()
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    from mla_kernels.sm100.attn_dist import B_N, EPI_THREADS, attn_dist_plan
+
+    plan = attn_dist_plan(576, heads)
+    got = {}
+
+    @cute.jit
+    def trace():
+        mma = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K,
+                                                 Float32, tcgen05.CtaGroup.ONE, (B_N, heads))
+        acc_shape = mma.partition_shape_C((B_N, heads))
+        layout = mma.make_fragment_C(cute.append(acc_shape, plan.acc_stages)).layout
+        tAcc = cute.make_tensor(cute.make_ptr(Float32, 0, cute.AddressSpace.tmem, assumed_align=16), layout)
+        atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32)
+        copy = tcgen05.make_tmem_copy(atom, tAcc[None, None, None, 0])
+        coords = mma.get_slice(0).partition_C(cute.make_identity_tensor((B_N, heads)))
+        for t in (0, 1, 31, 32, 77, EPI_THREADS - 1):
+            part = copy.get_slice(t).partition_D(coords)
+            got[t] = [part[i] for i in range(cute.size(part))]
+
+    trace()
+    assert sorted(got) == [0, 1, 31, 32, 77, 127]
+    for t, coords in got.items():
+        assert [tuple(int(x) for x in c) for c in coords] == [(t, h) for h in range(heads)], t
+
+
 # ---------------------------------------------------------------------------------------------
 # Compile report (no GPU): SASS facts and resource use
 # ---------------------------------------------------------------------------------------------
