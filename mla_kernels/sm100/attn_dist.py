@@ -315,6 +315,9 @@ class AttnDistSm100:
         if num_blocks > 0:
             cute.arch.mbarrier_wait(q_full, 0)
             # cp.async writes are generic-proxy; tcgen05.mma reads smem through the async proxy.
+            # The writers never wait for their own copies (noinc arrivals), so the reader fences
+            # after observing the barrier.  (FlashMLA's sm100 cp.async -> UMMA path has no fence
+            # at all; this costs one MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S per stage.)
             cute.arch.fence_proxy("async.shared", space="cta")
         for _b in cutlass.range(num_blocks, unroll=1):
             cute.arch.mbarrier_wait(acc_empty + acc_stage.index, acc_stage.phase)
