@@ -9,8 +9,9 @@ modifiers kept: ``HGMMA.64x64x16.F32.BF16``, ``UTMALDG.3D``, ``UTCHMMA.2CTA`` ..
 ``sass_base`` (counts by mnemonic: ``HGMMA``, ``UTMALDG``, ``LDGSTS``, ``BAR`` ...).
 Registers/spills come from ptxas's report (compile option ``remarks{ptx}``); SASS from
 ``nvdisasm`` (package ``nvidia-cuda-nvdisasm``; without it ``sass`` is null).
-An arch without real kernels yet reports the infrastructure probe kernel, which proves the
-pipeline (DSL -> PTX -> cubin -> SASS) works for it.
+Every arch also reports the infrastructure probe kernel, which proves the pipeline
+(DSL -> PTX -> cubin -> SASS) works for it.  The sm_100a/sm_103a kernels are proven by this
+report only (no Blackwell GPU has run them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ARCHES = ("sm_90a", "sm_100a", "sm_103a")
+#: Mnemonics printed per kernel (the JSON keeps every opcode).
+KEY_OPS = ("HGMMA", "UTCHMMA", "UTCBAR", "LDTM", "UTMALDG", "UTMASTG", "LDGSTS", "STSM", "LDL", "STL")
 
 
 def kernels_for(arch):
@@ -53,7 +56,15 @@ def kernels_for(arch):
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
-    # No Blackwell kernels yet: the infrastructure probe proves the pipeline for this arch.
+    if arch in ("sm_100a", "sm_103a"):
+        from mla_kernels.sm100 import compile_attn_dist as sm100_attn_dist
+
+        return [
+            ("sm100_attn_dist_d576_h128", lambda a, **kw: sm100_attn_dist(576, 128, False, False, a, **kw)),
+            ("sm100_attn_dist_d576_h64_topklen_norm", lambda a, **kw: sm100_attn_dist(576, 64, True, True, a, **kw)),
+            ("sm100_attn_dist_d512_h128", lambda a, **kw: sm100_attn_dist(512, 128, False, False, a, **kw)),
+            ("probe", lambda a, **kw: compile_probe(a, **kw)),
+        ]
     return [("probe", lambda a, **kw: compile_probe(a, **kw))]
 
 
@@ -161,7 +172,7 @@ def run(arch, only=None, json_path=None, quiet=False):
         if not quiet:
             r = recs[-1]
             sb = r["sass_base"] or {}
-            key = {k: sb.get(k, 0) for k in ("HGMMA", "UTCHMMA", "UTMALDG", "UTMASTG", "LDGSTS", "STSM", "LDL", "STL")}
+            key = {k: sb.get(k, 0) for k in KEY_OPS}
             print(f"{r['name']:<40} {arch} regs={r['registers']} spill={r['spill_bytes']}B "
                   f"smem={r['smem_bytes']}B {r['compile_seconds']}s  {key}")
     if json_path:

@@ -3,7 +3,7 @@
 Everything here runs inside ``@cute.kernel`` code.  Contents:
 
 * inline PTX the DSL does not expose: ``cp.async`` with zero-fill and an L2 cache policy,
-  ``createpolicy``;
+  ``createpolicy``, the sm100 ``tcgen05.fence::{before,after}_thread_sync`` pair;
 * :class:`HalfBufferBarriers` -- a ready/free mbarrier pair guarding one piece of an smem buffer
   whose producer and consumers do not run as a ring (phases come from the iteration parity);
 * index/validity helpers (the slot-validity rule of the package: ``0 <= idx < s_kv`` and
@@ -51,6 +51,41 @@ def createpolicy_evict_last(*, loc=None, ip=None) -> Int64:
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@dsl_user_op
+def createpolicy_evict_first(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy for data read once (``createpolicy.fractional.L2::evict_first``)."""
+    return Int64(
+        llvm.inline_asm(
+            T.i64(),
+            [],
+            "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;",
+            "=l",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _asm_void(text: str, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [], text, "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tcgen05_fence_before_thread_sync(*, loc=None, ip=None) -> None:
+    """sm100: order this thread's earlier tcgen05 ops (TMEM loads, MMAs) before the thread
+    synchronisation that follows (an mbarrier arrive, a named barrier)."""
+    _asm_void("tcgen05.fence::before_thread_sync;", loc, ip)
+
+
+@dsl_user_op
+def tcgen05_fence_after_thread_sync(*, loc=None, ip=None) -> None:
+    """sm100: order this thread's later tcgen05 ops after the thread synchronisation that precedes
+    (an mbarrier wait, a named barrier)."""
+    _asm_void("tcgen05.fence::after_thread_sync;", loc, ip)
 
 
 @dsl_user_op

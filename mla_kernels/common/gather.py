@@ -1,15 +1,19 @@
-"""Top-k KV row gather by a 128-thread producer warpgroup (Hopper cp.async; also usable on sm100).
+"""Top-k KV row gather by a 128-thread producer warpgroup (cp.async; sm90 and sm100).
 
 :class:`KvGather` owns the per-thread constants (smem/gmem base addresses, the L2 policy) and the
 per-thread index registers of the blocks in flight.  Layout contract with the kernels: a KV block
-is 64 rows x ``d_qk`` bf16 in smem as ``d_qk/64`` tiles of ``[64 rows x 64 cols]``, each tile
-K-major with the 128-byte swizzle (chunk ``c`` of row ``r`` at chunk ``c ^ (r % 8)``), tiles
-``64*128`` bytes apart -- the layout ``tile_to_shape(K_SW128 atom, (64, d_qk))`` wgmma reads.
+is ``rows`` (64 by default, 128 for sm100's attn_dist) rows x ``d_qk`` bf16 in smem as
+``d_qk/64`` tiles of ``[rows x 64 cols]``, each tile K-major with the 128-byte swizzle (chunk
+``c`` of row ``r`` at chunk ``c ^ (r % 8)``), tiles ``rows*128`` bytes apart -- the layout
+``tile_to_shape(K_SW128 atom, (rows, d_qk))`` that wgmma and tcgen05 read.
 
 Thread ``t`` belongs to group ``t // 8`` (16 groups) and fills 16-byte chunk ``t % 8`` of rows
-``group + 16 j`` (j = 0..3) of every tile: each row of a tile is written by 8 consecutive
-threads, so a warp's 32 copies cover 4 full 128-byte rows.  Invalid slots are zero-filled
-without reading global memory.
+``group + 16 j`` (j = 0 .. rows/16 - 1) of every tile: each row of a tile is written by 8
+consecutive threads, so a warp's 32 copies cover 4 full 128-byte rows.  Invalid slots are
+zero-filled without reading global memory.
+
+:func:`copy_dense_rows` fills the same tile layout from a dense row-major matrix (sm100 loads Q
+this way).
 """
 
 from __future__ import annotations
@@ -20,14 +24,21 @@ from cutlass import Boolean, Int32, Int64, Uint32
 
 from . import device as dev
 
-ROWS = 64  # rows per block
+ROWS = 64  # rows per block (default)
 ROWS_PER_THREAD = 4
+GROUPS = 16  # 8-thread groups of the 128-thread warpgroup; group g owns rows g + 16 j
 
 
 class KvGather:
-    """Per-thread state of the gather; ``slots`` = how many blocks' indices are held at once."""
+    """Per-thread state of the gather; ``slots`` = how many blocks' indices are held at once,
+    ``rows`` = rows per block (a multiple of 16)."""
 
-    def __init__(self, mKV: cute.Tensor, mIdx: cute.Tensor, s_idx, topk_len, ptid, d_qk: int, slots: int):
+    def __init__(
+        self, mKV: cute.Tensor, mIdx: cute.Tensor, s_idx, topk_len, ptid, d_qk: int, slots: int, rows: int = ROWS
+    ):
+        assert rows % GROUPS == 0, f"rows={rows} must be a multiple of {GROUPS}"
+        self.rows = rows
+        self.rows_per_thread = rows // GROUPS
         self.mKV = mKV
         self.mIdx = mIdx
         self.s_idx = s_idx
@@ -43,8 +54,8 @@ class KvGather:
         self.kv_addr = dev.gmem_addr_i64(mKV.iterator) + Int64(lane8 * 16)
         self.row_bytes = d_qk * 2
         self.policy = dev.createpolicy_evict_last()
-        self.src = cute.make_rmem_tensor((slots, ROWS_PER_THREAD), Int64)
-        self.ok = cute.make_rmem_tensor((slots, ROWS_PER_THREAD), Boolean)
+        self.src = cute.make_rmem_tensor((slots, self.rows_per_thread), Int64)
+        self.ok = cute.make_rmem_tensor((slots, self.rows_per_thread), Boolean)
 
     # Loop-invariant object: dynamic loops capture it rather than carry it.
     def __extract_mlir_values__(self):
@@ -60,9 +71,9 @@ class KvGather:
         return idx, dev.slot_valid(idx, slot, self.s_kv, self.topk_len)
 
     def load_indices(self, block, slot_b: int) -> None:
-        """Read this thread's 4 indices of ``block`` into register slot ``slot_b``."""
-        for j in range(ROWS_PER_THREAD):
-            slot = block * ROWS + self.group + 16 * j
+        """Read this thread's ``rows/16`` indices of ``block`` into register slot ``slot_b``."""
+        for j in range(self.rows_per_thread):
+            slot = block * self.rows + self.group + GROUPS * j
             idx, v = self.index_at(slot)
             self.ok[slot_b, j] = v
             safe = Int64(cutlass.select_(v, idx, Int32(0)))
@@ -73,17 +84,53 @@ class KvGather:
         buffer at ``buf_addr`` (its 32-bit shared address)."""
         base = buf_addr + self.smem_off
         for t in range(t0, t1):
-            for j in range(ROWS_PER_THREAD):
+            for j in range(self.rows_per_thread):
                 dev.cp_async_16_zfill(
-                    base + (t * ROWS * 128 + j * 16 * 128),
+                    base + (t * self.rows * 128 + j * GROUPS * 128),
                     self.src[slot_b, j] + Int64(t * 128),
                     self.ok[slot_b, j],
                     self.policy,
                 )
 
+    def copy_tile(self, tile_addr: Int32, slot_b: int, t: int) -> None:
+        """cp.async column tile ``t`` (columns ``64 t .. 64 t + 63``) of the block in register
+        slot ``slot_b`` into one ``[rows x 64]`` SW128 tile at ``tile_addr`` (32-bit shared
+        address, 1024-byte aligned)."""
+        base = tile_addr + self.smem_off
+        for j in range(self.rows_per_thread):
+            dev.cp_async_16_zfill(
+                base + j * GROUPS * 128, self.src[slot_b, j] + Int64(t * 128), self.ok[slot_b, j], self.policy
+            )
+
     def valid_word(self, block) -> Uint32:
-        """Ballot of slot validity: thread t votes for row ``t % 64`` of ``block``; lane l of warp
-        w holds bit l = row ``32 * (w % 2) + l``.  Every lane gets the warp's word."""
+        """Ballot of slot validity (64-row blocks only): thread t votes for row ``t % 64`` of
+        ``block``; lane l of warp w holds bit l = row ``32 * (w % 2) + l``.  Every lane gets the
+        warp's word."""
+        assert self.rows == ROWS, "valid_word assumes 64-row blocks"
         slot = block * ROWS + self.ptid % ROWS
         _, v = self.index_at(slot)
         return Uint32(cute.arch.vote_ballot_sync(v))
+
+
+def copy_dense_rows(
+    tile_addr: Int32, gmem_addr: Int64, row_bytes, n_rows: int, n_tiles: int, ptid, policy: Int64
+) -> None:
+    """cp.async an ``[n_rows x 64 n_tiles]`` bf16 row-major matrix (row ``r`` at ``gmem_addr +
+    r * row_bytes``) into ``n_tiles`` K-major SW128 tiles of ``[n_rows x 64]``, ``n_rows * 128``
+    bytes apart from ``tile_addr`` (32-bit shared address, 1024-byte aligned) -- the layout of a
+    :class:`KvGather` block.  Called by all 128 threads of a warpgroup (``ptid`` = 0..127);
+    ``n_rows`` a multiple of 16."""
+    assert n_rows % GROUPS == 0, f"n_rows={n_rows} must be a multiple of {GROUPS}"
+    group = ptid // 8
+    lane8 = ptid % 8
+    dst = tile_addr + group * 128 + ((lane8 ^ (group % 8)) * 16)
+    src = gmem_addr + Int64(group) * row_bytes + Int64(lane8 * 16)
+    always = Boolean(True)
+    for t in range(n_tiles):
+        for j in range(n_rows // GROUPS):
+            dev.cp_async_16_zfill(
+                dst + (t * n_rows * 128 + j * GROUPS * 128),
+                src + Int64(j * GROUPS) * row_bytes + Int64(t * 128),
+                always,
+                policy,
+            )

@@ -1,0 +1,118 @@
+"""The sm100 (Blackwell) backend: CuTe DSL kernels compiled for sm_100a / sm_103a.
+
+``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file: ``attn_dist.py``
+(attention distribution).  Ops without an sm100 kernel yet are reported as unsupported, so
+``auto`` dispatch serves them with the reference and says so.
+
+The kernels are proven by compilation only (PTX -> SASS for sm_100a/sm_103a, see
+``tools/compile_report.py``), never run: ``hardware_verified = False`` makes dispatch run a
+first-use canary against the reference for every new configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _compile
+from ..common import host
+from ..common.backend import Backend
+from ..common.problem import Problem
+
+__all__ = ["BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist"]
+
+#: Tokens per attn_dist block (the MMA's M); the API pads topk to a multiple of it.
+TOPK_BLOCK = 128
+
+
+def attn_dist_heads_per_cta(h_q: int) -> int:
+    """128 heads per CTA when h_q is a multiple of 128, else 64 (h_q a multiple of 64)."""
+    return 128 if h_q % 128 == 0 else 64
+
+
+def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_100a", **kw):
+    """Compile the sm100 attention distribution for one static configuration (no GPU needed).
+
+    ``normalize`` is fused only when one CTA covers all heads of a token (h_q 64 or 128)."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from .attn_dist import AttnDistSm100
+
+    kernel = AttnDistSm100(d_qk, attn_dist_heads_per_cta(h_q), normalize, has_topk_length)
+    s_q, s_q2, s_q3, s_q4, s_kv, n_tl, n_grp = (cute.sym_int() for _ in range(7))
+    topk = cute.sym_int(divisibility=TOPK_BLOCK)
+    topk2 = cute.sym_int(divisibility=TOPK_BLOCK)
+    args = (
+        host.fake(BFloat16, (s_q, h_q, d_qk)),
+        host.fake(BFloat16, (s_kv, d_qk)),
+        host.fake(Int32, (s_q2, topk)),
+        host.fake(Int32, (n_tl,), align=4),
+        host.fake(Float32, (s_q3, h_q), align=4),
+        host.fake(Float32, (n_grp, s_q4, topk2), align=4),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+    compiled = _compile.compile_kernel(kernel, *args, arch=arch, **kw)
+    return kernel, compiled
+
+
+class Sm100Backend(Backend):
+    name = "sm100"
+    topk_block = TOPK_BLOCK
+    hardware_verified = False
+
+    _dsl_error: Optional[str] = None
+    _dsl_checked = False
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        if device.type != "cuda":
+            return "not a CUDA device"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major != 10:
+            return f"not a compute capability 10.x (Blackwell) device (this one is {major}.{minor})"
+        if not Sm100Backend._dsl_checked:
+            try:
+                import cutlass.cute  # noqa: F401  (importability check)
+            except Exception as e:  # pragma: no cover - depends on the installation
+                Sm100Backend._dsl_error = f"CuTe DSL (nvidia-cutlass-dsl) not importable: {e}"
+            Sm100Backend._dsl_checked = True
+        return Sm100Backend._dsl_error
+
+    def supports(self, op: str, p: Problem) -> Optional[str]:
+        if op != "attn_dist":
+            return f"no sm100 {op} kernel yet"
+        if p.dtype != torch.bfloat16:
+            return f"dtype {p.dtype} (kernels take bfloat16)"
+        if p.d_qk not in (512, 576):
+            return f"d_qk={p.d_qk} (kernels take 512 or 576)"
+        if p.h_q % 64:
+            return f"h_q={p.h_q} (kernels take a multiple of 64)"
+        if not p.sm_scale > 0:
+            return f"sm_scale={p.sm_scale} (kernels fold a positive scale into exp2)"
+        if p.s_kv >= 2**31:
+            return f"s_kv={p.s_kv} does not fit int32 indices"
+        return None
+
+    def attn_dist(self, p: Problem, lse: torch.Tensor, normalize: bool):
+        arch = _compile.arch_for_device(p.device)
+        n_groups = p.h_q // attn_dist_heads_per_cta(p.h_q)
+        fused = normalize and n_groups == 1
+        has_tl = p.topk_length is not None
+        key = ("AttnDistSm100", p.d_qk, p.h_q, fused, has_tl, arch)
+        _, fn = _compile.cached_compile(key, lambda: compile_attn_dist(p.d_qk, p.h_q, fused, has_tl, arch))
+        out = host.alloc((n_groups, p.s_q, p.topk), torch.float32, p.device)
+        tl = p.topk_length if has_tl else host.dummy(torch.int32, p.device)
+        fn(p.q, p.kv, p.indices, tl, lse.float().contiguous(), out, p.sm_scale * math.log2(math.e))
+        if n_groups == 1:
+            return out[0]
+        res = out.sum(dim=0)  # several head groups per token: combine on the host side
+        if normalize:
+            tot = res.sum(dim=-1, keepdim=True)
+            res = torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), res)
+        return res
+
+
+BACKEND = Sm100Backend()
