@@ -25,7 +25,9 @@ SMEM_LIMIT = 232448
 def sm90_report(tmp_path_factory):
     path = tmp_path_factory.mktemp("cr") / "sm90.json"
     recs = compile_report.run(
-        "sm_90a", only={"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads", "probe"},
+        "sm_90a",
+        only={"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads", "sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det",
+              "probe"},
         json_path=str(path), quiet=True,
     )
     assert json.loads(path.read_text()) == recs
@@ -52,6 +54,26 @@ def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report):
     if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
     assert r["sass_base"].get("HGMMA", 0) == 36 and r["sass_base"].get("LDGSTS", 0) > 0
+
+
+@pytest.mark.parametrize("name", ["sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det"])
+def test_sm90_backward_compiles_with_hgmma_and_no_spills(sm90_report, name):
+    r = sm90_report[name]
+    assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
+    if r["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    sass, base = r["sass"], r["sass_base"]
+    # all four products on wgmma: S 36 + dP 32 + dQ (4 x 64x256 per WG + 4 RoPE) + dKV 68 per block
+    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
+    assert base.get("LDGSTS", 0) > 0 and base.get("UTMALDG", 0) > 0 and base.get("UTMASTG", 0) > 0
+    assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
+    reds = sass.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0)
+    if name.endswith("_det"):
+        # deterministic: no float atomics at all, 16-byte stores of the per-slot rows instead
+        assert base.get("REDG", 0) == 0 and base.get("RED", 0) == 0 and base.get("ATOMG", 0) == 0
+        assert sass.get("STG.E.128", 0) == 72
+    else:
+        assert reds == 72  # 16-byte vector float atomics, 8 per 64-column chunk, 9 chunks
 
 
 def test_sm100_pipeline_compiles():

@@ -1,0 +1,88 @@
+"""Host-side logic of the sm90 backward, on the CPU: the per-row terms, d_attn_sink, the
+deterministic mode's fixed-order reduction, and which problems the backend serves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_kernels import reference as ref
+from mla_kernels.api import make_problem
+from mla_kernels.sm90 import BACKEND, bwd_host
+
+from conftest import make_case
+
+
+def _naive_reduce(ws, idx, valid, n_hblk, s_kv, d):
+    want = torch.zeros(s_kv, d, dtype=torch.float64)
+    n_tok, topk = idx.shape
+    for s in range(n_tok):
+        for hb in range(n_hblk):
+            for t in range(topk):
+                if valid[s, t]:
+                    want[idx[s, t]] += ws[(s * n_hblk + hb) * topk + t].double()
+    return want
+
+
+@pytest.mark.parametrize("n_hblk", [1, 2])
+def test_reduce_slot_rows_matches_naive_sum(n_hblk):
+    g = torch.Generator().manual_seed(3)
+    n_tok, topk, d, s_kv = 6, 64, 8, 20
+    idx = torch.randint(-3, s_kv + 3, (n_tok, topk), generator=g).int()
+    idx[0] = 7  # one kv row picked by every slot of a token
+    valid = ref.valid_mask(idx, s_kv)
+    ws = torch.randn(n_tok * n_hblk * topk, d, generator=g)
+    ws[~valid.repeat_interleave(n_hblk, 0).reshape(-1)] = float("nan")  # never written by the kernel
+    acc = torch.zeros(s_kv, d)
+    bwd_host.reduce_slot_rows(acc, ws, idx, valid, n_hblk)
+    want = _naive_reduce(ws, idx, valid, n_hblk, s_kv, d)
+    assert not torch.isnan(acc).any()
+    assert torch.allclose(acc.double(), want, rtol=1e-5, atol=1e-5)
+    again = torch.zeros(s_kv, d)
+    bwd_host.reduce_slot_rows(again, ws, idx, valid, n_hblk)
+    assert torch.equal(acc, again)
+
+
+def test_reduce_slot_rows_no_valid_slot_is_a_no_op():
+    acc = torch.ones(4, 8)
+    idx = torch.full((2, 64), -1, dtype=torch.int32)
+    bwd_host.reduce_slot_rows(acc, torch.empty(128, 8), idx, ref.valid_mask(idx, 4), 1)
+    assert torch.equal(acc, torch.ones(4, 8))
+
+
+@pytest.mark.parametrize("sink", [None, "finite", "neginf"])
+def test_row_terms_and_d_sink_match_the_reference_formulas(sink):
+    case = make_case(9, 64, 576, 50, 64, sink=sink, empty_rows=2)
+    p = make_problem(case.q, case.kv, case.indices, case.sm_scale, 512, None, case.attn_sink)
+    out, _, lse = ref.sparse_mla_fwd_ref(case.q, case.kv, case.indices, case.sm_scale, 512, None, case.attn_sink)
+    dlse = torch.randn(lse.shape)
+    lse2, corr, scale, lse_eff = bwd_host.row_terms(p, lse, dlse, need_asum_scale=True)
+    want_eff = ref.effective_lse(lse, case.attn_sink)
+    assert torch.equal(torch.isposinf(lse2), torch.isposinf(want_eff))
+    fin = torch.isfinite(want_eff)
+    assert torch.allclose(lse2[fin], want_eff[fin] * math.log2(math.e))
+    ratio = torch.ones_like(lse) if sink is None else torch.where(
+        torch.isposinf(lse), torch.ones_like(lse), torch.exp(want_eff - lse))
+    assert torch.allclose(corr, dlse * ratio)
+    assert (scale is None) == (sink is None)
+    if sink is not None:
+        dout = torch.randn(out.shape)
+        delta = (out * dout).sum(-1)
+        want = ref.sparse_mla_bwd_ref(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale, 512, None,
+                                      case.attn_sink)[2]
+        got = bwd_host.d_attn_sink(p, lse_eff, delta)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_backend_serves_bwd_only_for_kernel_shapes():
+    def prob(**kw):
+        c = make_case(2, kw.get("h_q", 64), kw.get("d_qk", 576), 10, 64, d_v=kw.get("d_v", 512))
+        return make_problem(c.q, c.kv, c.indices, kw.get("sm_scale", c.sm_scale), kw.get("d_v", 512))
+
+    assert BACKEND.supports("bwd", prob()) is None
+    assert BACKEND.supports("bwd", prob(d_qk=512)) is None
+    assert "d_v" in BACKEND.supports("bwd", prob(d_v=256))
+    assert "h_q" in BACKEND.supports("bwd", prob(h_q=32))
+    assert "d_qk" in BACKEND.supports("bwd", prob(d_qk=256, d_v=256))
