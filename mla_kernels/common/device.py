@@ -130,6 +130,23 @@ def red_add_v4_f32(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d: Floa
 
 
 @dsl_user_op
+def red_add_v4_f32_hint(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, policy: Int64,
+                        *, loc=None, ip=None) -> None:
+    """``red.global.add.v4.f32`` with an L2 cache-policy hint (``createpolicy`` value)."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+        + [Int64(policy).ir_value(loc=loc, ip=ip)],
+        "red.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, $5;",
+        "l,f,f,f,f,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def st_global_v4_f32(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
     """A 16-byte vector store of four floats to global memory."""
     llvm.inline_asm(
