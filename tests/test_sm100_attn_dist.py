@@ -133,8 +133,18 @@ def _writer_offset(row: int, col: int, rows: int) -> int:
     return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
 
 
+@pytest.fixture
+def trace_for_sm100(monkeypatch):
+    """Trace tcgen05 code for sm_100a even on a host with another GPU (the DSL otherwise traces
+    for the local device's arch and rejects tcgen05 atoms)."""
+    _cutlass()
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    monkeypatch.setattr(CuTeDSL._get_dsl().envar, "arch", "sm_100a")
+
+
 @pytest.mark.parametrize("d_qk,heads", [(576, 128), (512, 64)])
-def test_mma_smem_layouts_match_the_writers(d_qk, heads):
+def test_mma_smem_layouts_match_the_writers(d_qk, heads, trace_for_sm100):
     cute = _cutlass()
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass import BFloat16, Float32
@@ -174,7 +184,7 @@ def test_mma_smem_layouts_match_the_writers(d_qk, heads):
 
 
 @pytest.mark.parametrize("heads", [64, 128])
-def test_tmem_load_gives_thread_t_token_t_all_heads(heads):
+def test_tmem_load_gives_thread_t_token_t_all_heads(heads, trace_for_sm100):
     """The epilogue's contract: with 32x32b loads of an accumulator slot, thread t of the
     warpgroup holds row t (token t of the block) and element h of its fragment is column h (head
     h), so ``exp2_head_sum(fragment)`` reduces over heads and the result belongs to slot t."""
