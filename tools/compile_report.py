@@ -40,6 +40,7 @@ def kernels_for(arch):
     from mla_kernels.common.probe import compile_probe
 
     if arch == "sm_90a":
+        from mla_kernels.common.segment_sum import compile_segment_sum
         from mla_kernels.sm90 import compile_attn_dist, compile_bwd, compile_fwd
 
         return [
@@ -54,6 +55,7 @@ def kernels_for(arch):
              lambda a, **kw: compile_bwd(576, 128, True, True, True, arch=a, **kw)),
             ("sm90_bwd_d576_h128_det", lambda a, **kw: compile_bwd(576, 128, False, deterministic=True, arch=a, **kw)),
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
+            ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     if arch in ("sm_100a", "sm_103a"):

@@ -17,9 +17,10 @@ dKV: the default kernel adds every slot's row into a float32 ``[s_kv, d_qk]`` wo
 one ``.to(bfloat16)`` converts it.  ``deterministic=True`` runs the same kernel writing each
 (token, head block, slot) row to its own workspace row instead (no atomics), in waves of tokens
 bounded by :data:`DET_WORKSPACE_BYTES`; the rows are then summed per kv row in a fixed order
-(stable sort by kv index, ``segment_reduce`` over each run) and added to the float32 accumulator
-wave by wave.  Its cost is the workspace traffic: ``n_head_blocks * topk * d_qk * 4`` bytes per
-token written, read and gathered once more.
+(stable sort by kv index, then :class:`~mla_kernels.common.segment_sum.SegmentSum`: one CTA per
+kv row adding its rows in sorted order) and added to the float32 accumulator wave by wave.  Its
+cost is the workspace traffic: ``n_head_blocks * topk * d_qk * 4`` bytes per token written once
+and read once.
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor,
                      n_hblk: int) -> None:
     """Deterministic ``acc[indices[s, t]] += sum_hb ws[(s * n_hblk + hb) * topk + t]`` over the
     valid slots: rows are ordered by (kv row, token, head block, slot) with a stable sort of a
-    deterministic enumeration and summed per kv row by ``segment_reduce`` in that order."""
+    deterministic enumeration and summed per kv row in that order -- on CUDA by
+    :class:`~mla_kernels.common.segment_sum.SegmentSum` (one writer per row, each row read once),
+    elsewhere by ``segment_reduce``."""
     n_tok, topk = indices.shape
     s_i, t_i = valid.nonzero(as_tuple=True)  # row-major: a fixed order
     if s_i.numel() == 0:
@@ -144,5 +147,20 @@ def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor,
     order = torch.argsort(keys, stable=True)
     keys = keys[order]
     uniq, counts = torch.unique_consecutive(keys, return_counts=True)
+    if acc.is_cuda:
+        start = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=acc.device)
+        torch.cumsum(counts, 0, out=start[1:])
+        _segment_sum_fn(acc.shape[1], acc.device)(
+            ws, ids[order].to(torch.int32), start.to(torch.int32), uniq.to(torch.int32), acc
+        )
+        return
     seg = torch.segment_reduce(ws[ids[order]], "sum", lengths=counts, axis=0)
     acc[uniq] += seg  # one addition per (unique) row: no collisions
+
+
+def _segment_sum_fn(d: int, device):
+    from ..common.segment_sum import compile_segment_sum
+
+    arch = _compile.arch_for_device(device)
+    _, fn = _compile.cached_compile(("SegmentSum", d, arch), lambda: compile_segment_sum(d, arch))
+    return fn
