@@ -21,7 +21,7 @@ from ..common import host
 from ..common.backend import Backend
 from ..common.problem import Problem
 
-__all__ = ["BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist"]
+__all__ = ["BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist", "compile_bwd"]
 
 #: Tokens per attn_dist block (the MMA's M); the API pads topk to a multiple of it.
 TOPK_BLOCK = 128
@@ -52,6 +52,43 @@ def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: boo
         host.fake(Int32, (n_tl,), align=4),
         host.fake(Float32, (s_q3, h_q), align=4),
         host.fake(Float32, (n_grp, s_q4, topk2), align=4),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+    compiled = _compile.compile_kernel(kernel, *args, arch=arch, **kw)
+    return kernel, compiled
+
+
+def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
+                attn_sum_scaled: bool = False, deterministic: bool = False, has_dlse: bool = False,
+                arch: str = "sm_100a", **kw):
+    """Compile the sm100 backward for one static configuration (no GPU needed).  Same arguments
+    (and kernel argument order) as ``sm90.compile_bwd``: ``sm90.bwd_host.run_bwd`` drives both."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from .bwd import SparseMlaBwdSm100
+
+    kernel = SparseMlaBwdSm100(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic)
+    sq = [cute.sym_int() for _ in range(10)]
+    s_kv, n_ws, n_tl, n_grp = (cute.sym_int() for _ in range(4))
+    topk = cute.sym_int(divisibility=64)
+    topk2 = cute.sym_int(divisibility=64)
+    args = (
+        host.fake(BFloat16, (sq[0], h_q, d_qk)),  # q
+        host.fake(BFloat16, (s_kv, d_qk)),  # kv
+        host.fake(BFloat16, (sq[1], h_q, 512)),  # dout
+        host.fake(BFloat16, (sq[2], h_q, 512)),  # out
+        host.fake(Int32, (sq[3], topk)),  # indices
+        host.fake(Int32, (n_tl,), align=4),  # topk_length
+        host.fake(Float32, (sq[4], h_q), align=4),  # lse2
+        host.fake(Float32, (sq[5], h_q), align=4),  # delta correction
+        host.fake(Float32, (sq[6], h_q), align=4),  # delta out
+        host.fake(Float32, (sq[7], h_q), align=4),  # attn_sum scale
+        host.fake(BFloat16, (sq[8], h_q, d_qk)),  # dq
+        host.fake(Float32, (n_ws, d_qk)),  # dkv workspace
+        host.fake(Float32, (sq[9], n_grp, topk2), align=4),  # attn_sum partials
+        Float32(1.0),
         Float32(1.0),
         host.fake_stream(),
     )
