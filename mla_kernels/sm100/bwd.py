@@ -670,11 +670,15 @@ class SparseMlaBwdSm100:
 
         dev.tcgen05_fence_after_thread_sync()
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)
-        mma_dkv = self._mma_dkv()
-        dkv_layout = mma_dkv.make_fragment_C(mma_dkv.partition_shape_C((D_CHUNK, B_TOPK))).layout
-        tKV0 = cute.make_tensor(tmem_ptr + self.plan.dkv_cols[0], dkv_layout)
-        # 32x32b: thread t holds row t (head dim t of the chunk), element j = token j
-        ld32 = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x64), Float32)
+        # The deterministic variant drains a chunk in two 32-token halves (load, scatter, load,
+        # scatter): its stores need more address registers than the atomics, and 64 loaded
+        # floats + those do not fit the 128 registers of a 416-thread CTA without spilling.
+        halves = 2 if const_expr(self.deterministic) else 1
+        cols = B_TOPK // halves
+        half_layout = cute.make_layout(((D_CHUNK, cols), 1, 1), stride=((65536, 1), 0, 0))
+        tKV0 = cute.make_tensor(tmem_ptr + self.plan.dkv_cols[0], half_layout)
+        # 32x32b: thread t holds row t (head dim t of the chunk), element j = token j of the half
+        ld32 = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(cols)), Float32)
         t2r = tcgen05.make_tmem_copy(ld32, tKV0).get_slice(dtid)
         rKV = cute.make_rmem_tensor(t2r.partition_D(tKV0).shape, Float32)
         lane = dtid % 32
@@ -685,43 +689,51 @@ class SparseMlaBwdSm100:
         ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64(col_bytes)
         row_bytes = self.d_qk * 4
         policy = dev.createpolicy_evict_last()
-        rows = cute.make_rmem_tensor((B_TOPK // 4,), Int32)  # workspace row of token 4g+q (-1: none)
+        rows = cute.make_rmem_tensor((B_TOPK // 4,), Int32)  # kv row of token 4g+q (-1: invalid)
         dkv_stage = make_pipeline_state(PipelineUserType.Consumer, self.n_dkv_bufs)
         for b in cutlass.range(num_blocks, unroll=1):
+            okmask = Uint32(0)  # deterministic: bit g = token 4g+q valid (its row is computed)
             for g in cutlass.range_constexpr(B_TOPK // 4):
                 slot = b * B_TOPK + 4 * g + q
                 idx = mIdx[s_idx, cutlass.min(slot, topk - 1)]
                 ok = dev.slot_valid(idx, slot, s_kv, topk_len)
-                dst = idx
                 if const_expr(self.deterministic):
-                    # the slot's private row; int32 suffices: the host bounds a wave's rows
-                    dst = (s_idx * n_hblk + h_blk) * topk + slot
-                rows[g] = Int32(cutlass.select_(ok, dst, Int32(-1)))
+                    okmask = okmask | (Uint32(cutlass.select_(ok, Uint32(1), Uint32(0))) << Uint32(g))
+                else:
+                    rows[g] = Int32(cutlass.select_(ok, idx, Int32(-1)))
+            # the slot's private row of the deterministic workspace (int32: the host bounds a wave)
+            det_row0 = (s_idx * n_hblk + h_blk) * topk + b * B_TOPK + q
             for c in cutlass.range_constexpr(self.n_chunks):
                 cute.arch.mbarrier_wait(dkv_full + dkv_stage.index, dkv_stage.phase)
                 dev.tcgen05_fence_after_thread_sync()
-                tKV = tKV0
+                col0 = self.plan.dkv_cols[0] + 0 * dkv_stage.index
                 if const_expr(self.n_dkv_bufs > 1):
-                    tKV = cute.make_tensor(tmem_ptr + self.plan.dkv_cols[0] + dkv_stage.index * B_TOPK, dkv_layout)
-                cute.copy(t2r, t2r.partition_S(tKV), rKV)
-                cute.arch.fence_view_async_tmem_load()
-                dev.tcgen05_fence_before_thread_sync()
-                cute.arch.mbarrier_arrive(dkv_empty + dkv_stage.index)  # the MMA may refill it now
-                dkv_stage.advance()
-                for g in cutlass.range_constexpr(B_TOPK // 4):
-                    transpose_quad(rKV, 4 * g, q)
-                # lane 4a+q: token 4g+q, dims 4a..4a+3 of the warp's 32 -> one instruction covers
-                # 4 tokens x 128 contiguous bytes
-                if 32 * wq >= self.plan.chunk_store_row[c]:
-                    chunk_off = Int64(self.plan.chunk_dims[c] * 4)
-                    for g in cutlass.range_constexpr(B_TOPK // 4):
-                        if rows[g] >= 0:
-                            addr = ws_base + Int64(rows[g]) * Int64(row_bytes) + chunk_off  # 64-bit row math
+                    col0 = self.plan.dkv_cols[0] + dkv_stage.index * B_TOPK
+                for hf in cutlass.range_constexpr(halves):
+                    src = cute.make_tensor(tmem_ptr + col0 + hf * cols, half_layout)
+                    cute.copy(t2r, t2r.partition_S(src), rKV)
+                    cute.arch.fence_view_async_tmem_load()
+                    if const_expr(hf == halves - 1):
+                        dev.tcgen05_fence_before_thread_sync()
+                        cute.arch.mbarrier_arrive(dkv_empty + dkv_stage.index)  # the MMA may refill it
+                    for g0 in cutlass.range_constexpr(cols // 4):
+                        transpose_quad(rKV, 4 * g0, q)
+                    # lane 4a+q: token 4g+q, dims 4a..4a+3 of the warp's 32 -> one instruction
+                    # covers 4 tokens x 128 contiguous bytes (whole L2 lines)
+                    if 32 * wq >= self.plan.chunk_store_row[c]:
+                        chunk_off = Int64(self.plan.chunk_dims[c] * 4)
+                        for g0 in cutlass.range_constexpr(cols // 4):
+                            g = hf * (cols // 4) + g0
+                            v = (rKV[4 * g0], rKV[4 * g0 + 1], rKV[4 * g0 + 2], rKV[4 * g0 + 3])
                             if const_expr(self.deterministic):
-                                dev.st_global_v4_f32(addr, rKV[4 * g], rKV[4 * g + 1], rKV[4 * g + 2], rKV[4 * g + 3])
+                                if (okmask >> Uint32(g)) & Uint32(1) != Uint32(0):
+                                    addr = ws_base + Int64(det_row0 + 4 * g) * Int64(row_bytes) + chunk_off
+                                    dev.st_global_v4_f32(addr, v[0], v[1], v[2], v[3])
                             else:
-                                dev.red_add_v4_f32_hint(addr, rKV[4 * g], rKV[4 * g + 1], rKV[4 * g + 2],
-                                                        rKV[4 * g + 3], policy)
+                                if rows[g] >= 0:
+                                    addr = ws_base + Int64(rows[g]) * Int64(row_bytes) + chunk_off  # 64-bit
+                                    dev.red_add_v4_f32_hint(addr, v[0], v[1], v[2], v[3], policy)
+                dkv_stage.advance()
         dev.tcgen05_fence_before_thread_sync()
         cute.arch.barrier(barrier_id=BAR_END, number_of_threads=2 * WG_THREADS)
 
