@@ -1,7 +1,8 @@
 """The sm100 (Blackwell) backend: CuTe DSL kernels compiled for sm_100a / sm_103a.
 
 ``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file: ``attn_dist.py``
-(attention distribution).  Ops without an sm100 kernel yet are reported as unsupported, so
+(attention distribution), ``bwd.py`` (backward; its host side is the shared
+``common/bwd_host.py``).  Ops without an sm100 kernel yet are reported as unsupported, so
 ``auto`` dispatch serves them with the reference and says so.
 
 The kernels are proven by compilation only (PTX -> SASS for sm_100a/sm_103a, see
@@ -63,7 +64,7 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
                 attn_sum_scaled: bool = False, deterministic: bool = False, has_dlse: bool = False,
                 arch: str = "sm_100a", **kw):
     """Compile the sm100 backward for one static configuration (no GPU needed).  Same arguments
-    (and kernel argument order) as ``sm90.compile_bwd``: ``sm90.bwd_host.run_bwd`` drives both."""
+    (and kernel argument order) as ``sm90.compile_bwd``: ``common.bwd_host.run_bwd`` drives both."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -119,12 +120,14 @@ class Sm100Backend(Backend):
         return Sm100Backend._dsl_error
 
     def supports(self, op: str, p: Problem) -> Optional[str]:
-        if op != "attn_dist":
+        if op not in ("attn_dist", "bwd"):
             return f"no sm100 {op} kernel yet"
         if p.dtype != torch.bfloat16:
             return f"dtype {p.dtype} (kernels take bfloat16)"
         if p.d_qk not in (512, 576):
             return f"d_qk={p.d_qk} (kernels take 512 or 576)"
+        if op == "bwd" and p.d_v != 512:
+            return f"d_v={p.d_v} (kernels take 512)"
         if p.h_q % 64:
             return f"h_q={p.h_q} (kernels take a multiple of 64)"
         if not p.sm_scale > 0:
@@ -150,6 +153,12 @@ class Sm100Backend(Backend):
             tot = res.sum(dim=-1, keepdim=True)
             res = torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), res)
         return res
+
+    def bwd(self, p: Problem, out, dout, lse, *, dlse=None, deterministic=False, return_attn_sum=False):
+        from ..common import bwd_host
+
+        return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
+                                compile_bwd=compile_bwd, name="SparseMlaBwdSm100")
 
 
 BACKEND = Sm100Backend()
