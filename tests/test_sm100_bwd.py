@@ -273,7 +273,8 @@ def _compile_report():
 
 @pytest.fixture(scope="module")
 def sm100_bwd_report():
-    recs = _compile_report().run("sm_100a", only={"sm100_bwd_d576_h64", "sm100_bwd_d576_h64_det"}, quiet=True)
+    names = {"sm100_bwd_d576_h64", "sm100_bwd_d576_h64_det", "sm100_bwd_d512_h64"}
+    recs = _compile_report().run("sm_100a", only=names, quiet=True)
     return {r["name"]: r for r in recs}
 
 
@@ -308,11 +309,12 @@ def _check_sass(r, d_qk, deterministic):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,det", [("sm100_bwd_d576_h64", False), ("sm100_bwd_d576_h64_det", True)])
-def test_sm100_bwd_sass(sm100_bwd_report, name, det):
+@pytest.mark.parametrize("name,d_qk,det", [("sm100_bwd_d576_h64", 576, False), ("sm100_bwd_d576_h64_det", 576, True),
+                                          ("sm100_bwd_d512_h64", 512, False)])
+def test_sm100_bwd_sass(sm100_bwd_report, name, d_qk, det):
     r = sm100_bwd_report[name]
     assert r["arch"] == "sm_100a"
-    _check_sass(r, 576, det)
+    _check_sass(r, d_qk, det)
 
 
 @pytest.mark.compile

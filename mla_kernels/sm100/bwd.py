@@ -2,7 +2,8 @@
 
 Same op, arguments and host driver as the sm90 backward (``sm90/bwd_host.run_bwd`` launches it):
 one CTA per (query token, 64-head block), so any ``h_q`` multiple of 64 runs as ``h_q / 64`` CTAs
-per token.  Per top-k block of ``B_TOPK = 64`` indices (``c = sm_scale * log2(e)``):
+per token (pairs of them launched as 2-CTA clusters when ``h_q / 64`` is even, as on sm90 --
+only for co-scheduling: every tcgen05 op is ``cta_group::1``).  Per top-k block of ``B_TOPK = 64`` indices (``c = sm_scale * log2(e)``):
 
 * ``S^T = K Q^T`` and ``dP^T = V dO^T`` (tcgen05, M = 64 tokens, N = 64 heads, A = the gathered KV
   tile, B = Q / dO, both K-major in smem) into TMEM.  "SwapAB": a TMEM row is a token, so the
@@ -218,6 +219,11 @@ class SparseMlaBwdSm100:
         self.n_v_tiles = self.plan.n_v_tiles
         self.n_chunks = len(self.plan.chunk_dims)
         self.n_dkv_bufs = len(self.plan.dkv_cols)
+        # As on sm90 (measured there: +2..9%), the head-block CTAs of a token run as 2-CTA
+        # clusters when h_q is a multiple of 128, so that they are co-scheduled and their dKV
+        # atomics to the same rows meet in L2.  Only a launch property: every tcgen05 op stays
+        # cta_group::1 and the CTAs never talk to each other.
+        self.pair_cluster = True
         self.smem_bytes = 0  # set when traced
 
     # The ACCUMULATE field is set on a fresh tiled MMA per use: a field set inside one dynamic
@@ -313,7 +319,11 @@ class SparseMlaBwdSm100:
             scale_log2, sm_scale, sK_layout, sQ_layout, sDO_layout, sPK_layout, sT128_layout, sT64_layout,
             SharedStorage, n_hblk,
         ).launch(
-            grid=[s_q * n_hblk, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
+            grid=[s_q * n_hblk, 1, 1],  # s_q on grid.x: no 65535 cap
+            block=[THREADS, 1, 1],
+            cluster=[2 if (self.pair_cluster and n_hblk % 2 == 0) else 1, 1, 1],
+            smem=self.smem_bytes,
+            stream=stream,
             min_blocks_per_mp=1,
         )
 
