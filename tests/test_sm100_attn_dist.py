@@ -95,7 +95,6 @@ def test_backend_contract():
     "op,kw,reason",
     [
         ("fwd", {}, "no sm100 fwd kernel"),
-        ("bwd", {}, "no sm100 bwd kernel"),
         ("attn_dist", dict(dtype=torch.float16), "dtype"),
         ("attn_dist", dict(d_qk=256), "d_qk=256"),
         ("attn_dist", dict(h_q=96), "h_q=96"),

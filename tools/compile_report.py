@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 ARCHES = ("sm_90a", "sm_100a", "sm_103a")
 #: Mnemonics printed per kernel (the JSON keeps every opcode).
-KEY_OPS = ("HGMMA", "UTCHMMA", "UTCBAR", "LDTM", "UTMALDG", "UTMASTG", "LDGSTS", "STSM", "LDL", "STL")
+KEY_OPS = ("HGMMA", "UTCHMMA", "UTCBAR", "LDTM", "UTMALDG", "UTMASTG", "LDGSTS", "STSM", "REDG", "LDL", "STL")
 
 
 def kernels_for(arch):
@@ -60,11 +60,16 @@ def kernels_for(arch):
         ]
     if arch in ("sm_100a", "sm_103a"):
         from mla_kernels.sm100 import compile_attn_dist as sm100_attn_dist
+        from mla_kernels.sm100 import compile_bwd as sm100_bwd
 
         return [
             ("sm100_attn_dist_d576_h128", lambda a, **kw: sm100_attn_dist(576, 128, False, False, a, **kw)),
             ("sm100_attn_dist_d576_h64_topklen_norm", lambda a, **kw: sm100_attn_dist(576, 64, True, True, a, **kw)),
             ("sm100_attn_dist_d512_h128", lambda a, **kw: sm100_attn_dist(512, 128, False, False, a, **kw)),
+            ("sm100_bwd_d576_h64", lambda a, **kw: sm100_bwd(576, 64, False, arch=a, **kw)),
+            ("sm100_bwd_d576_h128_topklen_asum_sink", lambda a, **kw: sm100_bwd(576, 128, True, True, True, arch=a, **kw)),
+            ("sm100_bwd_d576_h64_det", lambda a, **kw: sm100_bwd(576, 64, False, deterministic=True, arch=a, **kw)),
+            ("sm100_bwd_d512_h64", lambda a, **kw: sm100_bwd(512, 64, False, arch=a, **kw)),
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     return [("probe", lambda a, **kw: compile_probe(a, **kw))]

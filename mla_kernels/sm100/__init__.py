@@ -1,7 +1,8 @@
 """The sm100 (Blackwell) backend: CuTe DSL kernels compiled for sm_100a / sm_103a.
 
 ``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file: ``attn_dist.py``
-(attention distribution).  Ops without an sm100 kernel yet are reported as unsupported, so
+(attention distribution), ``bwd.py`` (backward; its host side is the shared
+``common/bwd_host.py``).  Ops without an sm100 kernel yet are reported as unsupported, so
 ``auto`` dispatch serves them with the reference and says so.
 
 The kernels are proven by compilation only (PTX -> SASS for sm_100a/sm_103a, see
@@ -21,7 +22,7 @@ from ..common import host
 from ..common.backend import Backend
 from ..common.problem import Problem
 
-__all__ = ["BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist"]
+__all__ = ["BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist", "compile_bwd"]
 
 #: Tokens per attn_dist block (the MMA's M); the API pads topk to a multiple of it.
 TOPK_BLOCK = 128
@@ -59,6 +60,43 @@ def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: boo
     return kernel, compiled
 
 
+def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
+                attn_sum_scaled: bool = False, deterministic: bool = False, has_dlse: bool = False,
+                arch: str = "sm_100a", **kw):
+    """Compile the sm100 backward for one static configuration (no GPU needed).  Same arguments
+    (and kernel argument order) as ``sm90.compile_bwd``: ``common.bwd_host.run_bwd`` drives both."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from .bwd import SparseMlaBwdSm100
+
+    kernel = SparseMlaBwdSm100(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic)
+    sq = [cute.sym_int() for _ in range(10)]
+    s_kv, n_ws, n_tl, n_grp = (cute.sym_int() for _ in range(4))
+    topk = cute.sym_int(divisibility=64)
+    topk2 = cute.sym_int(divisibility=64)
+    args = (
+        host.fake(BFloat16, (sq[0], h_q, d_qk)),  # q
+        host.fake(BFloat16, (s_kv, d_qk)),  # kv
+        host.fake(BFloat16, (sq[1], h_q, 512)),  # dout
+        host.fake(BFloat16, (sq[2], h_q, 512)),  # out
+        host.fake(Int32, (sq[3], topk)),  # indices
+        host.fake(Int32, (n_tl,), align=4),  # topk_length
+        host.fake(Float32, (sq[4], h_q), align=4),  # lse2
+        host.fake(Float32, (sq[5], h_q), align=4),  # delta correction
+        host.fake(Float32, (sq[6], h_q), align=4),  # delta out
+        host.fake(Float32, (sq[7], h_q), align=4),  # attn_sum scale
+        host.fake(BFloat16, (sq[8], h_q, d_qk)),  # dq
+        host.fake(Float32, (n_ws, d_qk)),  # dkv workspace
+        host.fake(Float32, (sq[9], n_grp, topk2), align=4),  # attn_sum partials
+        Float32(1.0),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+    compiled = _compile.compile_kernel(kernel, *args, arch=arch, **kw)
+    return kernel, compiled
+
+
 class Sm100Backend(Backend):
     name = "sm100"
     topk_block = TOPK_BLOCK
@@ -82,12 +120,14 @@ class Sm100Backend(Backend):
         return Sm100Backend._dsl_error
 
     def supports(self, op: str, p: Problem) -> Optional[str]:
-        if op != "attn_dist":
+        if op not in ("attn_dist", "bwd"):
             return f"no sm100 {op} kernel yet"
         if p.dtype != torch.bfloat16:
             return f"dtype {p.dtype} (kernels take bfloat16)"
         if p.d_qk not in (512, 576):
             return f"d_qk={p.d_qk} (kernels take 512 or 576)"
+        if op == "bwd" and p.d_v != 512:
+            return f"d_v={p.d_v} (kernels take 512)"
         if p.h_q % 64:
             return f"h_q={p.h_q} (kernels take a multiple of 64)"
         if not p.sm_scale > 0:
@@ -113,6 +153,12 @@ class Sm100Backend(Backend):
             tot = res.sum(dim=-1, keepdim=True)
             res = torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), res)
         return res
+
+    def bwd(self, p: Problem, out, dout, lse, *, dlse=None, deterministic=False, return_attn_sum=False):
+        from ..common import bwd_host
+
+        return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
+                                compile_bwd=compile_bwd, name="SparseMlaBwdSm100")
 
 
 BACKEND = Sm100Backend()

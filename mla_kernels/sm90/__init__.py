@@ -4,7 +4,7 @@
 ``fwd.py`` (sparse forward), ``attn_dist.py`` (attention distribution), ``bwd.py`` (backward:
 dQ, dKV and optionally the attention sum).  The backward's small host-side pieces (lse' and
 delta' per row, the dKV workspace conversion, the deterministic mode's fixed-order reduction,
-d_attn_sink) live in ``bwd_host.py``.
+d_attn_sink) live in ``common/bwd_host.py`` (shared with sm100).
 """
 
 from __future__ import annotations
@@ -192,9 +192,10 @@ class Sm90Backend(Backend):
 
 
     def bwd(self, p: Problem, out, dout, lse, *, dlse=None, deterministic=False, return_attn_sum=False):
-        from . import bwd_host
+        from ..common import bwd_host
 
-        return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum)
+        return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
+                                compile_bwd=compile_bwd, name="SparseMlaBwdSm90")
 
 
 BACKEND = Sm90Backend()

@@ -1,0 +1,171 @@
+"""Host side of the sparse backward kernels (``sm90/bwd.py``, ``sm100/bwd.py``): per-row terms,
+launch, dKV conversion, and the deterministic mode's fixed-order reduction.  Arch-agnostic: the
+backend passes its ``compile_bwd`` in (both kernels take the same arguments in the same order, 64
+heads per CTA).
+
+Per-row terms (float32, ``[s_q, h_q]``), with ``lse' = log(exp(lse) + exp(sink))`` (``= lse``
+without a sink; ``+inf`` on empty rows):
+
+* ``lse2 = log2(e) * lse'`` -- the kernel computes ``P = exp2(S * sm_scale * log2(e) - lse2)``;
+* ``delta = rowsum(out * dout)`` is computed *in* the kernel (and returned for d_attn_sink); the
+  host only supplies the correction ``dlse * exp(lse' - lse)`` when the returned ``lse`` carries a
+  gradient, so that the kernel's ``dS = P (dP - delta')`` uses ``delta' = delta - correction``;
+* ``exp(lse' - lse)`` -- only with a sink and ``return_attn_sum``: ``attn_sum`` is normalised by
+  ``lse`` (not ``lse'``), so the kernel sums ``P * exp(lse' - lse)``;
+* ``d_attn_sink[h] = -sum_i exp(sink_h - lse'_ih) * rowsum(out * dout)_ih``.
+
+dKV: the default kernel adds every slot's row into a float32 ``[s_kv, d_qk]`` workspace with
+16-byte float atomics (fast; the order of additions, hence the last bits, varies from run to run);
+one ``.to(bfloat16)`` converts it.  ``deterministic=True`` runs the same kernel writing each
+(token, head block, slot) row to its own workspace row instead (no atomics), in waves of tokens
+bounded by :data:`DET_WORKSPACE_BYTES`; the rows are then summed per kv row in a fixed order
+(stable sort by kv index, then :class:`~mla_kernels.common.segment_sum.SegmentSum`: one CTA per
+kv row adding its rows in sorted order) and added to the float32 accumulator wave by wave.  Its
+cost is the workspace traffic: ``n_head_blocks * topk * d_qk * 4`` bytes per token written once
+and read once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _compile
+from . import host
+from .problem import Problem
+from ..reference import effective_lse, valid_mask
+
+LOG2E = math.log2(math.e)
+B_H = 64
+#: Upper bound of the deterministic mode's per-wave workspace (the wave's slot rows in float32).
+DET_WORKSPACE_BYTES = 4 << 30
+def row_terms(p: Problem, lse, dlse, need_asum_scale: bool):
+    """``(lse2, delta correction or None, asum_scale or None, lse')`` -- see the module docstring."""
+    lse = lse.float()
+    lse_eff = effective_lse(lse, p.attn_sink)
+    ratio = None
+    if p.attn_sink is not None:
+        ratio = torch.exp(lse_eff - lse)
+        ratio = torch.where(torch.isposinf(lse), torch.ones_like(ratio), ratio)
+    corr = None
+    if dlse is not None:
+        dl = dlse.float()
+        corr = (dl * ratio if ratio is not None else dl).contiguous()
+    lse2 = (lse_eff * LOG2E).contiguous()
+    asum_scale = ratio.contiguous() if (need_asum_scale and ratio is not None) else None
+    return lse2, corr, asum_scale, lse_eff
+
+
+def d_attn_sink(p: Problem, lse_eff: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``-sum_i exp(sink_h - lse'_ih) * delta_ih`` (0 contribution from empty rows)."""
+    p_sink = torch.exp(p.attn_sink.float().reshape(1, -1) - lse_eff)
+    return -(p_sink * delta).sum(dim=0)
+
+
+def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, deterministic: bool,
+            has_dlse: bool):
+    arch = _compile.arch_for_device(p.device)
+    has_tl = p.topk_length is not None
+    key = (name, p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
+    _, fn = _compile.cached_compile(
+        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
+    )
+    return fn
+
+
+def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False,
+            *, compile_bwd, name: str):
+    """The backward on a validated, topk-padded problem: ``(dq, dkv, d_sink[, attn_sum])``.
+
+    ``compile_bwd`` is the backend's ``compile_bwd`` (``sm90`` or ``sm100``), ``name`` its compile
+    cache key (the kernel class name)."""
+    dev = p.device
+    n_hblk = p.h_q // B_H
+    lse2, corr, asum_scale, lse_eff = row_terms(p, lse, dlse, return_attn_sum)
+    scaled = asum_scale is not None
+    fn = _kernel(p, compile_bwd, name, return_attn_sum, scaled, deterministic, corr is not None)
+
+    dq = host.alloc((p.s_q, p.h_q, p.d_qk), torch.bfloat16, dev)
+    delta = host.alloc((p.s_q, p.h_q), torch.float32, dev)
+    asum_parts = host.alloc((p.s_q, n_hblk, p.topk), torch.float32, dev) if return_attn_sum else None
+    tl = p.topk_length
+    scale_log2 = p.sm_scale * LOG2E
+    row_dummy = torch.ones(1, p.h_q, dtype=torch.float32, device=dev)
+    dummy_asum = torch.zeros(1, 1, 64, dtype=torch.float32, device=dev)
+    dkv_acc = torch.zeros(p.s_kv, p.d_qk, dtype=torch.float32, device=dev)
+
+    def launch(c0: int, c1: int, ws: torch.Tensor) -> None:
+        fn(
+            p.q[c0:c1], p.kv, dout[c0:c1], out[c0:c1], p.indices[c0:c1],
+            tl[c0:c1] if tl is not None else host.dummy(torch.int32, dev),
+            lse2[c0:c1],
+            corr[c0:c1] if corr is not None else row_dummy,
+            delta[c0:c1],
+            asum_scale[c0:c1] if scaled else row_dummy,
+            dq[c0:c1], ws,
+            asum_parts[c0:c1] if return_attn_sum else dummy_asum,
+            scale_log2, p.sm_scale,
+        )
+
+    if not deterministic:
+        # attn_sum partials are indexed with 32-bit offsets: launch in waves that keep
+        # s_q * n_head_blocks * topk below 2^31 (one launch for any realistic size)
+        wave = max(1, (2**31 - 1) // (n_hblk * p.topk))
+        for c0 in range(0, p.s_q, wave):
+            launch(c0, min(p.s_q, c0 + wave), dkv_acc)
+    else:
+        rows_per_token = n_hblk * p.topk
+        per_token = rows_per_token * p.d_qk * 4
+        wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_token))
+        valid = valid_mask(p.indices, p.s_kv, p.topk_length)
+        ws = torch.empty(wave * rows_per_token, p.d_qk, dtype=torch.float32, device=dev)
+        for c0 in range(0, p.s_q, wave):
+            c1 = min(p.s_q, c0 + wave)
+            launch(c0, c1, ws)
+            reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_hblk)
+
+    dkv = dkv_acc.to(p.dtype)
+    d_sink = d_attn_sink(p, lse_eff, delta) if p.attn_sink is not None else None
+    res = (dq, dkv, d_sink)
+    if return_attn_sum:
+        res = res + (asum_parts.sum(dim=1) if n_hblk > 1 else asum_parts[:, 0],)
+    return res
+
+
+def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
+                     n_hblk: int) -> None:
+    """Deterministic ``acc[indices[s, t]] += sum_hb ws[(s * n_hblk + hb) * topk + t]`` over the
+    valid slots: rows are ordered by (kv row, token, head block, slot) with a stable sort of a
+    deterministic enumeration and summed per kv row in that order -- on CUDA by
+    :class:`~mla_kernels.common.segment_sum.SegmentSum` (one writer per row, each row read once),
+    elsewhere by ``segment_reduce``."""
+    n_tok, topk = indices.shape
+    s_i, t_i = valid.nonzero(as_tuple=True)  # row-major: a fixed order
+    if s_i.numel() == 0:
+        return
+    kv_rows = indices[s_i, t_i].long()
+    hb = torch.arange(n_hblk, device=indices.device)
+    ids = ((s_i[:, None] * n_hblk + hb[None, :]) * topk + t_i[:, None]).reshape(-1)
+    keys = kv_rows[:, None].expand(-1, n_hblk).reshape(-1)
+    order = torch.argsort(keys, stable=True)
+    keys = keys[order]
+    uniq, counts = torch.unique_consecutive(keys, return_counts=True)
+    if acc.is_cuda:
+        start = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=acc.device)
+        torch.cumsum(counts, 0, out=start[1:])
+        _segment_sum_fn(acc.shape[1], acc.device)(
+            ws, ids[order].to(torch.int32), start.to(torch.int32), uniq.to(torch.int32), acc
+        )
+        return
+    seg = torch.segment_reduce(ws[ids[order]], "sum", lengths=counts, axis=0)
+    acc[uniq] += seg  # one addition per (unique) row: no collisions
+
+
+def _segment_sum_fn(d: int, device):
+    from .segment_sum import compile_segment_sum
+
+    arch = _compile.arch_for_device(device)
+    _, fn = _compile.cached_compile(("SegmentSum", d, arch), lambda: compile_segment_sum(d, arch))
+    return fn
