@@ -1,0 +1,479 @@
+"""sm100 sparse forward: what can be proven without a Blackwell GPU, and the GPU checks.
+
+* host logic (no compile): the smem/TMEM plan, grid and head groups, the backend's answers;
+* layout contract (trace only): the smem layouts the MMA descriptors are built from place every
+  element where the writers put it (``KvGather``/``copy_dense_rows`` for Q, K and V; the softmax
+  warps' swizzled 32-bit stores for P); the 16x256b TMEM loads/stores give each thread the Hopper
+  accumulator fragment (rows ``fragment_row``, columns ``8 g + 2 (t%4) + v``) the softmax helpers
+  assume; O's two N256 halves sit at TMEM lanes +0 / +16 of the same columns;
+* compile report (marked ``compile``): sm_100a/sm_103a SASS has the 1-CTA tcgen05 MMAs, TMEM
+  loads/stores, MMA commits, the cp.async gather and ``MUFU.EX2``, no spills, smem within budget;
+* GPU runtime (compute capability 10.x only, skipped elsewhere): kernel vs the float32 reference,
+  the cases of ``test_sm90_fwd.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from mla_kernels.common.problem import Problem
+
+from conftest import assert_close_fwd, make_case, skip_unless_sm100
+
+SMEM_LIMIT = 232448
+
+
+def _cutlass():
+    return pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host logic
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_plan_fits_smem(d_qk):
+    _cutlass()
+    from mla_kernels.sm100.fwd import B_H, B_TOPK, KV_STAGES, SMEM_HEADER_BYTES, fwd_plan
+
+    p = fwd_plan(d_qk)
+    assert p.n_k_tiles * 64 == d_qk
+    assert p.q_bytes == B_H * d_qk * 2 and p.kv_stage_bytes == B_TOPK * d_qk * 2 and p.p_bytes == B_H * B_TOPK * 2
+    assert p.smem_bytes == SMEM_HEADER_BYTES + p.q_bytes + KV_STAGES * p.kv_stage_bytes + p.p_bytes
+    assert p.smem_bytes <= SMEM_LIMIT
+    # 1024-byte alignment of every swizzled buffer (the struct lays them out in this order)
+    assert p.q_bytes % 1024 == 0 and p.kv_stage_bytes % 1024 == 0 and p.p_bytes % 1024 == 0
+
+
+def test_tmem_plan_within_512_columns_and_disjoint():
+    _cutlass()
+    from mla_kernels.sm100.fwd import B_TOPK, D_V, LANE16, O_CHUNK, TMEM_ALLOC, V_HALF, FwdPlan, SparseMlaFwdSm100
+
+    regions = FwdPlan.tmem_regions()
+    assert TMEM_ALLOC == 512
+    for name, l0, l1, c0, c1 in regions:
+        assert 0 <= l0 < l1 <= 32 and 0 <= c0 < c1 <= TMEM_ALLOC, name
+        assert l1 - l0 == 16, name  # an M64 tile uses 16 lanes of each 32-lane sub-partition
+    for i, a in enumerate(regions):
+        for b in regions[i + 1:]:
+            lanes = a[1] < b[2] and b[1] < a[2]
+            cols = a[3] < b[4] and b[3] < a[4]
+            assert not (lanes and cols), (a, b)
+    # O chunk addressing covers exactly O's two halves, 64 columns at a time
+    seen = set()
+    for c in range(D_V // O_CHUNK):
+        off = SparseMlaFwdSm100._o_chunk_offset(c)
+        lane, col = divmod(off, LANE16)
+        assert lane in (0, 1) and col % O_CHUNK == 0 and col + O_CHUNK <= V_HALF
+        seen.add((lane, col))
+    assert len(seen) == D_V // O_CHUNK
+    assert ("S0", 0, 16, V_HALF, V_HALF + B_TOPK) in regions
+
+
+def test_plan_rejects_unsupported():
+    _cutlass()
+    from mla_kernels.sm100.fwd import SparseMlaFwdSm100, fwd_plan
+
+    with pytest.raises(ValueError, match="d_qk"):
+        fwd_plan(256)
+    with pytest.raises(ValueError, match="d_v"):
+        SparseMlaFwdSm100(576, 256)
+
+
+@pytest.mark.parametrize("h_q,groups", [(64, 1), (128, 2), (192, 3), (256, 4)])
+def test_head_groups_and_grid(h_q, groups):
+    from mla_kernels.sm100 import fwd_head_groups
+
+    assert fwd_head_groups(h_q) == groups  # grid = s_q * groups CTAs of 288 threads
+    with pytest.raises(ValueError):
+        fwd_head_groups(96)
+
+
+def _problem(h_q=128, d_qk=576, dtype=torch.bfloat16, sm_scale=0.1, d_v=512):
+    q = torch.zeros(2, h_q, d_qk, dtype=dtype)
+    kv = torch.zeros(16, d_qk, dtype=dtype)
+    idx = torch.zeros(2, 128, dtype=torch.int32)
+    return Problem(q, kv, idx, sm_scale, d_v, None, None, kv.shape)
+
+
+@pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 512), (256, 576), (192, 512)])
+def test_backend_supports_fwd(h_q, d_qk):
+    from mla_kernels.sm100 import BACKEND, TOPK_BLOCK
+    from mla_kernels.sm100.fwd import B_TOPK
+
+    assert BACKEND.supports("fwd", _problem(h_q=h_q, d_qk=d_qk)) is None
+    assert TOPK_BLOCK % B_TOPK == 0  # the API's padding suits the forward's blocks too
+
+
+@pytest.mark.parametrize(
+    "kw,reason",
+    [
+        (dict(dtype=torch.float16), "dtype"),
+        (dict(d_qk=256), "d_qk=256"),
+        (dict(h_q=96), "h_q=96"),
+        (dict(sm_scale=0.0), "sm_scale"),
+        (dict(d_v=256), "d_v=256"),
+    ],
+)
+def test_backend_fwd_reasons(kw, reason):
+    from mla_kernels.sm100 import BACKEND
+
+    why = BACKEND.supports("fwd", _problem(**kw))
+    assert why is not None and reason in why
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout contract (host-side tracing, no compile)
+# ---------------------------------------------------------------------------------------------
+
+
+def _sw128(byte_off: int) -> int:
+    """The 128-byte swizzle on a 1024-byte aligned buffer: 16-byte chunk ^= row % 8."""
+    return byte_off ^ (((byte_off >> 7) & 7) << 4)
+
+
+def _writer_offset(row: int, col: int, rows: int) -> int:
+    """Where KvGather/copy_dense_rows put element (row, col) of a [rows x d] block."""
+    t, c = divmod(col, 64)
+    return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
+
+
+def _mmas(cute):
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    qk = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                            tcgen05.CtaGroup.ONE, (64, 64))
+    pv = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                            tcgen05.CtaGroup.ONE, (64, 256))
+    return qk, pv
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_mma_smem_layouts_match_the_writers(d_qk):
+    cute = _cutlass()
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16
+
+    from mla_kernels.sm100.fwd import KV_STAGES, fwd_plan, p_word_offset
+
+    plan = fwd_plan(d_qk)
+    got = {}
+
+    @cute.jit
+    def trace():
+        qk, pv = _mmas(cute)
+        sQ = sm100_utils.make_smem_layout_a(qk, (64, 64, d_qk), BFloat16, 1)
+        sK = sm100_utils.make_smem_layout_b(qk, (64, 64, d_qk), BFloat16, KV_STAGES)
+        sP = sm100_utils.make_smem_layout_a(pv, (64, 256, 64), BFloat16, 1)
+        sV = sm100_utils.make_smem_layout_b(pv, (64, 256, 64), BFloat16, 1)
+        assert str(sQ.inner) == str(sK.inner) == str(sP.inner) == str(sV.inner) == "S<3,4,3>"
+        for r in (0, 1, 7, 9, 33, 63):
+            for c in (0, 8, 17, 100, 255, d_qk - 1):
+                got[("Q", r, c)] = cute.crd2idx(((r, c % 16), 0, c // 16, 0), sQ.outer)
+                for s in (0, KV_STAGES - 1):
+                    got[("K", s, r, c)] = cute.crd2idx(((r, c % 16), 0, c // 16, s), sK.outer)
+            for c in (0, 2, 9, 18, 40, 62):
+                got[("P", r, c)] = cute.crd2idx(((r, c % 16), 0, c // 16, 0), sP.outer)
+        # V^T (MN-major B): dim n (0..255 of one half), token k
+        for n in (0, 1, 63, 64, 130, 255):
+            for k in (0, 1, 15, 16, 47, 63):
+                got[("V", n, k)] = cute.crd2idx(((n, k % 16), 0, k // 16, 0), sV.outer)
+
+    trace()
+    assert got
+    for key, elem in got.items():
+        phys = _sw128(2 * int(elem))
+        kind = key[0]
+        if kind == "Q":
+            _, r, c = key
+            assert phys == _writer_offset(r, c, 64), key
+        elif kind == "K":
+            _, s, r, c = key
+            assert phys == s * plan.kv_stage_bytes + _writer_offset(r, c, 64), key
+        elif kind == "P":
+            _, r, c = key
+            g, rem = divmod(c, 8)
+            assert phys == 4 * p_word_offset(r, g, rem // 2) + 2 * (c % 2), key
+        else:
+            _, n, k = key
+            # token k = KV row k, dim n = column n of the same [64 x d_qk] stage (the V half's
+            # pointer offset of 4 tiles adds 4 * 64 * 128 bytes for dims 256..511)
+            assert phys == _writer_offset(k, n, 64), key
+
+
+def test_tmem_16x256b_gives_the_hopper_fragment():
+    """Thread t of the softmax warpgroup holds element i = v + 2 row + 4 g at (fragment_row(t,
+    row), 8 g + 2 (t % 4) + v) of a 64 x 64 tile, for loads and for stores alike."""
+    cute = _cutlass()
+    from cutlass import Float32
+    from cutlass.cute.nvgpu import tcgen05
+
+    from mla_kernels.common import device as dev
+
+    got = {}
+
+    @cute.jit
+    def trace():
+        qk, _ = _mmas(cute)
+        layout = qk.make_fragment_C(qk.partition_shape_C((64, 64))).layout
+        tS = cute.make_tensor(cute.make_ptr(Float32, 0, cute.AddressSpace.tmem, assumed_align=16), layout)
+        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld16x256bOp(tcgen05.Repetition.x8), Float32), tS)
+        st = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St16x256bOp(tcgen05.Repetition.x8), Float32), tS)
+        coords = qk.get_slice(0).partition_C(cute.make_identity_tensor((64, 64)))
+        for t in (0, 1, 5, 31, 32, 77, 127):
+            a = ld.get_slice(t).partition_D(coords)
+            b = st.get_slice(t).partition_S(coords)
+            got[t] = ([a[i] for i in range(cute.size(a))], [b[i] for i in range(cute.size(b))])
+
+    trace()
+    assert sorted(got) == [0, 1, 5, 31, 32, 77, 127]
+    for t, (ld, st) in got.items():
+        want = [None] * 32
+        for g in range(8):
+            for row in range(2):
+                for v in range(2):
+                    want[dev.acc_flat(v, row, g)] = ((t // 32) * 16 + (t % 32) // 4 + 8 * row, 8 * g + 2 * (t % 4) + v)
+        assert [tuple(int(x) for x in c) for c in ld] == want, t
+        assert [tuple(int(x) for x in c) for c in st] == want, t
+
+
+def test_o_accumulator_halves_at_lane16():
+    """PV's (64 x 512) accumulator as the DSL lays it out: N-tile h at TMEM lane offset 16 h of the
+    same 256 columns, rows in lanes 16-row groups of each sub-partition -- what the MMA issue
+    (``tmem_ptr + h * LANE16``) and the 64-column chunk views (``_o_chunk_offset``) assume."""
+    cute = _cutlass()
+
+    from mla_kernels.sm100.fwd import LANE16, SparseMlaFwdSm100
+
+    got = {}
+
+    @cute.jit
+    def trace():
+        _, pv = _mmas(cute)
+        full = pv.make_fragment_C(pv.partition_shape_C((64, 512))).layout
+        half = pv.make_fragment_C(pv.partition_shape_C((64, 256))).layout
+        for r in (0, 5, 16, 40, 63):
+            for n in (0, 63, 64, 255, 256, 300, 511):
+                got[("full", r, n)] = cute.crd2idx(((r, n % 256), 0, n // 256), full)
+            for n in (0, 100, 255):
+                got[("half", r, n)] = cute.crd2idx(((r, n), 0, 0), half)
+
+    trace()
+    for key, off in got.items():
+        _, r, n = key
+        lane = (r % 16) + 32 * (r // 16)
+        want = lane * 65536 + (n // 256) * LANE16 + n % 256
+        assert int(off) == want, key
+        if key[0] == "full":
+            c = n // 64
+            assert SparseMlaFwdSm100._o_chunk_offset(c) + n % 64 == (n // 256) * LANE16 + n % 256
+
+
+def test_pack_and_p_offsets_are_conflict_free():
+    from mla_kernels.sm100.fwd import p_word_offset
+
+    for g in range(8):
+        for w in range(4):
+            for row in range(2):
+                banks = {p_word_offset(16 * w + lane // 4 + 8 * row, g, lane % 4) % 32 for lane in range(32)}
+                assert len(banks) == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile report (no GPU): SASS facts and resource use
+# ---------------------------------------------------------------------------------------------
+
+
+def _compile_report():
+    _cutlass()
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location("compile_report", os.path.join(root, "tools", "compile_report.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+FWD_KERNELS = {
+    "sm100_fwd_d576_h64": (576, False),
+    "sm100_fwd_d576_h128_topklen_sink": (576, True),
+    "sm100_fwd_d512_h64": (512, False),
+}
+
+
+@pytest.fixture(scope="module")
+def sm100_fwd_report():
+    recs = _compile_report().run("sm_100a", only=set(FWD_KERNELS), quiet=True)
+    return {r["name"]: r for r in recs}
+
+
+def _check_sass(r, d_qk, sink):
+    from mla_kernels.sm100.fwd import THREADS, fwd_plan
+
+    plan = fwd_plan(d_qk)
+    assert r["spill_bytes"] == 0 and r["registers"] is not None and r["registers"] * THREADS <= 65536
+    assert r["smem_bytes"] == plan.smem_bytes <= SMEM_LIMIT
+    if r["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    sass, base = r["sass"], r["sass_base"]
+    # 1-CTA tcgen05: QK (d/16 MMAs) is inlined twice (prologue + loop), PV 2 halves x 4
+    assert base.get("UTCHMMA", 0) == 2 * (d_qk // 16) + 8
+    assert not any(".2CTA" in k for k in sass), "a 1-CTA kernel must not contain cta_group::2 ops"
+    # commits: S full (x2 call sites), KV stage empty, O done
+    assert base.get("UTCBAR", 0) == 4
+    # 16x256b TMEM traffic: S (1) + O rescale (8) + epilogue (8) loads, 8 rescale stores
+    assert sass.get("LDTM.16dp256bit.x8", 0) == 17 and sass.get("STTM.16dp256bit.x8", 0) == 8
+    # cp.async gather: Q (4 rows x d/64 tiles per thread) + one KV block (4 rows x d/64)
+    assert sass.get("LDGSTS.E.BYPASS.LTC256B.128", 0) == 8 * (d_qk // 64)
+    assert base.get("ARRIVES", 0) == 2
+    # exp2: 32 scores + 2 rescale factors per thread (+ 2 sink terms)
+    assert sass.get("MUFU.EX2", 0) == 34 + (2 if sink else 0)
+    assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
+    assert base.get("HGMMA", 0) == 0 and base.get("UTMALDG", 0) == 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", sorted(FWD_KERNELS))
+def test_sm100_fwd_sass(sm100_fwd_report, name):
+    r = sm100_fwd_report[name]
+    assert r["arch"] == "sm_100a"
+    _check_sass(r, *FWD_KERNELS[name])
+
+
+@pytest.mark.compile
+def test_sm103a_fwd_sass():
+    recs = _compile_report().run("sm_103a", only={"sm100_fwd_d576_h64"}, quiet=True)
+    assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
+    _check_sass(recs[0], 576, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU runtime (compute capability 10.x)
+# ---------------------------------------------------------------------------------------------
+
+needs_sm100 = skip_unless_sm100()
+
+
+def run_and_check(case, monkeypatch, abs_tol=8e-4, logit_scale=1.0):
+    import mla_kernels as mk
+    from mla_kernels import reference as ref
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm100")  # no silent fallback: a miss raises
+    out, ml, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, case.d_v,
+                                     case.topk_length, case.attn_sink)
+    torch.cuda.synchronize()
+    want = ref.sparse_mla_fwd_ref(case.q.float(), case.kv.float(), case.indices, case.sm_scale, case.d_v,
+                                  case.topk_length, case.attn_sink)
+    valid = ref.valid_mask(case.indices, case.kv.shape[0], case.topk_length)
+    empty = (~valid.any(dim=-1))[:, None].expand(-1, case.q.shape[1])
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and ml.dtype == torch.float32
+    assert_close_fwd(out, ml, lse, want, empty=empty, abs_tol=abs_tol, logit_scale=logit_scale)
+
+
+SHAPES = [(1, 128, 128), (62, 592, 128), (213, 1840, 256), (62, 1521, 512), (213, 95, 128), (4096, 32768, 2048)]
+
+
+@pytest.mark.parametrize("s_q,s_kv,topk", SHAPES)
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("d_qk", [576, 512])
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_shapes(s_q, s_kv, topk, h_q, d_qk, monkeypatch):
+    if s_q == 4096 and (h_q, d_qk) != (128, 576):
+        pytest.skip("headline size runs once, at h_q 128 / d_qk 576")
+    case = make_case(s_q, h_q, d_qk, s_kv, topk, device="cuda", invalid_frac=0.1, empty_rows=2)
+    run_and_check(case, monkeypatch)
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("sink", [None, "finite", "neginf"])
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_topk_length_and_sink(d_qk, sink, monkeypatch):
+    case = make_case(213, 128, d_qk, 1840, 256, device="cuda", topk_length=True, sink=sink)
+    run_and_check(case, monkeypatch)
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_odd_block_count_and_padding(monkeypatch):
+    for topk in (192, 100, 64, 1):
+        case = make_case(37, 64, 576, 777, topk, device="cuda", topk_length=topk > 1)
+        run_and_check(case, monkeypatch)
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_all_invalid_and_duplicates(monkeypatch):
+    case = make_case(50, 128, 576, 300, 128, device="cuda", invalid_frac=0.0, dup_frac=0.0, empty_rows=0)
+    case.indices[0] = -1
+    case.indices[1] = 5
+    case.indices[2, 0, ::2] = 10_000
+    run_and_check(case, monkeypatch)
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_unit_scale_values(monkeypatch):
+    case = make_case(64, 128, 576, 4000, 512, device="cuda", scale=1.0)
+    run_and_check(case, monkeypatch, abs_tol=8e-3)
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_large_logits(monkeypatch):
+    # logits of std ~48: the lazy rescale (threshold 2^8) fires on many blocks
+    case = make_case(64, 128, 576, 4000, 512, device="cuda", scale=1.0, kv_scale=2.0, sm_scale=1.0)
+    run_and_check(case, monkeypatch, abs_tol=1.6e-2, logit_scale=150.0)
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_many_heads(monkeypatch):
+    case = make_case(20, 256, 576, 1000, 256, device="cuda")
+    run_and_check(case, monkeypatch)
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_huge_kv_64bit_offsets(monkeypatch):
+    s_kv = (2**31) // (576 * 2) + 5000
+    kv = torch.randn(s_kv, 1, 576, dtype=torch.bfloat16, device="cuda")
+    case = make_case(16, 64, 576, s_kv, 256, device="cuda", kv=kv)
+    case.indices[:, :, :128] = torch.randint(s_kv - 4000, s_kv, (16, 1, 128), device="cuda", dtype=torch.int32)
+    run_and_check(case, monkeypatch)
+    del kv
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_more_than_65535_queries(monkeypatch):
+    import mla_kernels as mk
+    from mla_kernels import reference as ref
+
+    s_q = 70_000
+    case = make_case(s_q, 64, 512, 500, 64, device="cuda", invalid_frac=0.1, empty_rows=3)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm100")
+    out, ml, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    for r0 in (0, 65_500, s_q - 100):
+        sl = slice(r0, r0 + 100)
+        want = ref.sparse_mla_fwd_ref(case.q[sl].float(), case.kv.float(), case.indices[sl], case.sm_scale, 512)
+        valid = ref.valid_mask(case.indices[sl], 500)
+        empty = (~valid.any(dim=-1))[:, None].expand(-1, 64)
+        assert_close_fwd(out[sl], ml[sl], lse[sl], want, empty=empty)
+
+
+@needs_sm100
+@pytest.mark.gpu
+def test_fwd_dispatch_auto_uses_kernel():
+    import mla_kernels as mk
+
+    assert mk.backend_for("cuda") == "sm100"
