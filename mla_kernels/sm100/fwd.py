@@ -144,6 +144,20 @@ def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     )
 
 
+@dsl_user_op
+def st_global_u32(gmem_addr: Int64, value: Uint32, *, loc=None, ip=None) -> None:
+    """A 4-byte global store at a 64-bit address."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.b32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 def p_word_offset(row: Int32, g: int, quad: Int32) -> Int32:
     """32-bit word offset of P[row, 8 g + 2 quad .. +1] in the ``64 x 64`` K-major SW128 tile
     (128-byte rows, 16-byte chunk ``g`` stored at chunk ``g ^ (row % 8)``).  A warp's 32 stores
@@ -567,7 +581,9 @@ class SparseMlaFwdSm100:
                 sink_term = cute.math.exp2(mSink[head0 + rows[r]] * dev.LOG2E - rM[r], fastmath=True)
             inv[r] = Float32(cutlass.select_(l_row[r] > 0.0, 1.0 / (l_row[r] + sink_term), Float32(0.0)))
 
-        mO32 = cute.recast_tensor(mO, Uint32)  # [s_q, h_q, d_v / 2]: a bf16 pair per word
+        # Row addresses in 64-bit: s_q * h_q * d_v elements can pass 2^31.
+        o_base = dev.gmem_addr_i64(mO.iterator) + Int64(2 * quad) * 2
+        o_row = [o_base + (Int64(s_idx) * mO.shape[1] + Int64(head0 + rows[r])) * (D_V * 2) for r in range(2)]
         for c in cutlass.range_constexpr(D_V // O_CHUNK):
             tO = cute.make_tensor(tmem_ptr + self._o_chunk_offset(c), tile_layout)
             cute.copy(t2r, t2r.partition_S(tO), rO)
@@ -577,8 +593,7 @@ class SparseMlaFwdSm100:
                     # select, not multiply: with no block at all O was never written (garbage).
                     lo = Float32(cutlass.select_(l_row[r] > 0.0, rO[dev.acc_flat(0, r, g)] * inv[r], Float32(0.0)))
                     hi = Float32(cutlass.select_(l_row[r] > 0.0, rO[dev.acc_flat(1, r, g)] * inv[r], Float32(0.0)))
-                    col = c * O_CHUNK + 8 * g + 2 * quad
-                    mO32[s_idx, head0 + rows[r], col // 2] = pack_bf16x2(lo, hi)
+                    st_global_u32(o_row[r] + (c * O_CHUNK + 8 * g) * 2, pack_bf16x2(lo, hi))
 
         if quad == 0:
             for r in cutlass.range_constexpr(2):
