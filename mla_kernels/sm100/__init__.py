@@ -1,7 +1,8 @@
 """The sm100 (Blackwell) backend: CuTe DSL kernels compiled for sm_100a / sm_103a.
 
 ``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file: ``fwd.py`` (sparse
-forward, 64 heads per CTA, 1-CTA tcgen05) and ``attn_dist.py`` (attention distribution).  Ops
+forward, 64 heads per CTA, 1-CTA tcgen05), ``fwd_h128.py`` (sparse forward, 128 heads per 2-CTA
+cluster, used when h_q is a multiple of 128) and ``attn_dist.py`` (attention distribution).  Ops
 without an sm100 kernel yet (the backward) are reported as unsupported, so ``auto`` dispatch
 serves them with the reference and says so.
 
@@ -22,30 +23,49 @@ from ..common import host
 from ..common.backend import Backend
 from ..common.problem import Problem
 
-__all__ = ["BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist", "compile_fwd", "fwd_head_groups"]
+__all__ = [
+    "BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist", "compile_fwd", "fwd_head_groups",
+    "fwd_two_cta",
+]
 
 #: The API pads topk to a multiple of this: attn_dist's block (its MMA M, 128 tokens); the
 #: forward's 64-token blocks divide it.
 TOPK_BLOCK = 128
-#: Heads per forward CTA (the forward's MMA M); h_q = 64 k runs k CTAs per query token.
+#: Heads per forward CTA (the forward's MMA M per CTA); h_q = 64 k runs k CTAs per query token.
 FWD_HEADS_PER_CTA = 64
 
 
 def fwd_head_groups(h_q: int) -> int:
-    """CTAs per query token of the forward (grid = s_q x this)."""
+    """CTAs per query token of the forward (grid = s_q x this), for either kernel."""
     if h_q % FWD_HEADS_PER_CTA:
         raise ValueError(f"h_q={h_q} is not a multiple of {FWD_HEADS_PER_CTA}")
     return h_q // FWD_HEADS_PER_CTA
 
 
-def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_100a", **kw):
-    """Compile the sm100 sparse forward for one static configuration (no GPU needed)."""
+def fwd_two_cta(h_q: int) -> bool:
+    """Which forward kernel serves ``h_q``: the 2-CTA one (``fwd_h128.py``, clusters of two
+    64-head CTAs) when h_q is a multiple of 128, else the 1-CTA one (``fwd.py``)."""
+    return h_q % 128 == 0
+
+
+def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_100a",
+                two_cta: Optional[bool] = None, **kw):
+    """Compile the sm100 sparse forward for one static configuration (no GPU needed).
+
+    ``two_cta`` picks the kernel (default :func:`fwd_two_cta`); the 1-CTA kernel serves any h_q."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
-    from .fwd import SparseMlaFwdSm100
+    if two_cta is None:
+        two_cta = fwd_two_cta(h_q)
+    if two_cta:
+        if h_q % 128:
+            raise ValueError(f"the 2-CTA forward needs h_q % 128 == 0, got {h_q}")
+        from .fwd_h128 import SparseMlaFwdSm100H128 as Kernel
+    else:
+        from .fwd import SparseMlaFwdSm100 as Kernel
 
-    kernel = SparseMlaFwdSm100(d_qk, 512, has_topk_length, has_sink)
+    kernel = Kernel(d_qk, 512, has_topk_length, has_sink)
     s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(5))
     s_kv = cute.sym_int()
     topk = cute.sym_int(divisibility=64)
@@ -140,7 +160,7 @@ class Sm100Backend(Backend):
     def fwd(self, p: Problem):
         arch = _compile.arch_for_device(p.device)
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
-        key = ("SparseMlaFwdSm100", p.d_qk, p.h_q, has_tl, has_sink, arch)
+        key = ("SparseMlaFwdSm100", fwd_two_cta(p.h_q), p.d_qk, p.h_q, has_tl, has_sink, arch)
         _, fn = _compile.cached_compile(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch))
         out = host.alloc((p.s_q, p.h_q, p.d_v), torch.bfloat16, p.device)
         max_logits = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
