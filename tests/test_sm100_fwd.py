@@ -6,8 +6,12 @@
   warps' swizzled 32-bit stores for P); the 16x256b TMEM loads/stores give each thread the Hopper
   accumulator fragment (rows ``fragment_row``, columns ``8 g + 2 (t%4) + v``) the softmax helpers
   assume; O's two N256 halves sit at TMEM lanes +0 / +16 of the same columns;
-* compile report (marked ``compile``): sm_100a/sm_103a SASS has the 1-CTA tcgen05 MMAs, TMEM
-  loads/stores, MMA commits, the cp.async gather and ``MUFU.EX2``, no spills, smem within budget;
+* the same for the 2-CTA h128 kernel (``fwd_h128.py``): which K rows / V columns each CTA of the
+  pair feeds the MMAs (the DSL's partition of the cta_group::2 operands), the folded TMEM layout
+  of its scores and O (thread t: row t % 64, column half t / 64);
+* compile report (marked ``compile``): sm_100a/sm_103a SASS has the 1-CTA tcgen05 MMAs (or only
+  ``.2CTA`` ones and multicast commits for the cluster kernel), TMEM loads/stores, the cp.async
+  gather and ``MUFU.EX2``, no spills, smem within budget;
 * GPU runtime (compute capability 10.x only, skipped elsewhere): kernel vs the float32 reference,
   the cases of ``test_sm90_fwd.py``.
 """
@@ -287,6 +291,177 @@ def test_pack_and_p_offsets_are_conflict_free():
 
 
 # ---------------------------------------------------------------------------------------------
+# The 2-CTA (h128) kernel: plan and layout contracts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_h128_plan(d_qk):
+    _cutlass()
+    from mla_kernels.sm100.fwd_h128 import KV_STAGES, RED_FLOATS, SMEM_HEADER_BYTES, TMEM_ALLOC, FwdH128Plan, fwd_h128_plan
+
+    p = fwd_h128_plan(d_qk)
+    assert p.q_bytes == 64 * d_qk * 2 and p.k_stage_bytes == 32 * d_qk * 2 and p.v_stage_bytes == 64 * 256 * 2
+    assert p.smem_bytes == SMEM_HEADER_BYTES + 4 * RED_FLOATS + p.q_bytes + KV_STAGES * (
+        p.k_stage_bytes + p.v_stage_bytes) + p.p_bytes <= SMEM_LIMIT
+    regions = FwdH128Plan.tmem_regions()
+    for i, a in enumerate(regions):
+        assert 0 <= a[1] < a[2] <= 128 and 0 <= a[3] < a[4] <= TMEM_ALLOC
+        for b in regions[i + 1:]:
+            assert not (a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]), (a, b)
+
+
+@pytest.mark.parametrize("h_q,two", [(64, False), (128, True), (192, False), (256, True)])
+def test_kernel_choice(h_q, two):
+    from mla_kernels.sm100 import fwd_two_cta
+
+    assert fwd_two_cta(h_q) is two
+
+
+def test_h128_operand_split_between_the_pair():
+    """CTA v of the pair feeds A rows (heads) 64 v.., QK's B rows (tokens) 32 v.. and PV's B rows
+    (dims of each N256 instruction) 128 v..; its accumulator holds its own 64 rows x all N --
+    what the gather (``2 b + rank`` K blocks, V tiles ``4 h + 2 rank + c``) and the epilogue's
+    ``head0 = 128 g + 64 rank`` assume."""
+    cute = _cutlass()
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    got = {}
+
+    @cute.jit
+    def trace():
+        for name, major, n, k in (("qk", OperandMajorMode.K, 64, 576), ("pv", OperandMajorMode.MN, 256, 64)):
+            mma = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, major, Float32,
+                                                     tcgen05.CtaGroup.TWO, (128, n))
+            for v in (0, 1):
+                thr = mma.get_slice(v)
+                pa = thr.partition_A(cute.make_identity_tensor((128, k)))
+                pb = thr.partition_B(cute.make_identity_tensor((n, k)))
+                pc = thr.partition_C(cute.make_identity_tensor((128, n)))
+                got[(name, v)] = [(pa[0], pa[cute.size(pa) - 1]), (pb[0], pb[cute.size(pb) - 1]),
+                                  (pc[0], pc[cute.size(pc) - 1])]
+
+    trace()
+
+    def t(c):
+        return tuple(int(x) for x in c)
+
+    for v in (0, 1):
+        a, b, c = got[("qk", v)]
+        assert (t(a[0]), t(a[1])) == ((64 * v, 0), (64 * v + 63, 575))
+        assert (t(b[0]), t(b[1])) == ((32 * v, 0), (32 * v + 31, 575))
+        assert (t(c[0]), t(c[1])) == ((64 * v, 0), (64 * v + 63, 63))
+        a, b, c = got[("pv", v)]
+        assert (t(b[0]), t(b[1])) == ((128 * v, 0), (128 * v + 127, 63))
+        assert (t(c[0]), t(c[1])) == ((64 * v, 0), (64 * v + 63, 255))
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_h128_smem_layouts_match_the_writers(d_qk):
+    cute = _cutlass()
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    from mla_kernels.sm100.fwd_h128 import K_ROWS, KV_STAGES, fwd_h128_plan
+
+    plan = fwd_h128_plan(d_qk)
+    got = {}
+
+    @cute.jit
+    def trace():
+        qk = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                tcgen05.CtaGroup.TWO, (128, 64))
+        pv = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN,
+                                                Float32, tcgen05.CtaGroup.TWO, (128, 256))
+        sQ = sm100_utils.make_smem_layout_a(qk, (128, 64, d_qk), BFloat16, 1)
+        sK = sm100_utils.make_smem_layout_b(qk, (128, 64, d_qk), BFloat16, KV_STAGES)
+        sP = sm100_utils.make_smem_layout_a(pv, (128, 256, 64), BFloat16, 1)
+        sV = sm100_utils.make_smem_layout_b(pv, (128, 256, 64), BFloat16, 1)
+        for r in (0, 1, 9, 31):
+            for c in (0, 17, 100, d_qk - 1):
+                for s in (0, KV_STAGES - 1):
+                    got[("K", s, r, c)] = cute.crd2idx(((r, c % 16), 0, c // 16, s), sK.outer)
+        for r in (0, 7, 40, 63):
+            for c in (0, 63, 300, d_qk - 1):
+                got[("Q", r, c)] = cute.crd2idx(((r, c % 16), 0, c // 16, 0), sQ.outer)
+            for c in (0, 8, 33, 63):
+                got[("P", r, c)] = cute.crd2idx(((r, c % 16), 0, c // 16, 0), sP.outer)
+        for n in (0, 63, 64, 127):  # this CTA's 128 dims of one N256 instruction
+            for k in (0, 15, 16, 63):
+                got[("V", n, k)] = cute.crd2idx(((n, k % 16), 0, k // 16, 0), sV.outer)
+
+    trace()
+    for key, elem in got.items():
+        phys = _sw128(2 * int(elem))
+        if key[0] == "K":
+            _, s, r, c = key
+            assert phys == s * plan.k_stage_bytes + _writer_offset(r, c, K_ROWS), key
+        elif key[0] == "Q":
+            _, r, c = key
+            assert phys == _writer_offset(r, c, 64), key
+        elif key[0] == "P":
+            _, r, c = key
+            # the softmax's 16-byte store: row r, chunk c // 8 at (chunk ^ r % 8) * 16
+            assert phys == r * 128 + (((c // 8) ^ (r % 8)) * 16) + (c % 8) * 2, key
+        else:
+            _, n, k = key
+            # V tile n // 64 of the instruction (KvGather copy_tile, 64 rows): token k, column n % 64
+            assert phys == _writer_offset(k, n, 64), key
+
+
+def test_h128_tmem_fold():
+    """32x32b loads of the 2-CTA accumulators: thread t holds row t % 64 and columns
+    32 (t / 64) + i of the score tile; a 32-column view at column offset 32 c of O gives O columns
+    256 (c / 4) + 128 (t / 64) + 32 (c % 4) + i (what the rescale and the epilogue assume)."""
+    cute = _cutlass()
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    got = {}
+
+    @cute.jit
+    def trace():
+        qk = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                tcgen05.CtaGroup.TWO, (128, 64))
+        pv = sm100_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN,
+                                                Float32, tcgen05.CtaGroup.TWO, (128, 256))
+        s_layout = qk.make_fragment_C(qk.partition_shape_C((128, 64))).layout
+        o_full = pv.make_fragment_C(pv.partition_shape_C((128, 512))).layout
+        tS = cute.make_tensor(cute.make_ptr(Float32, 0, cute.AddressSpace.tmem, assumed_align=16), s_layout)
+        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), Float32), tS)
+        coords = qk.get_slice(0).partition_C(cute.make_identity_tensor((128, 64)))
+        for t in (0, 5, 63, 64, 100, 127):
+            part = ld.get_slice(t).partition_D(coords)
+            got[("ld", t)] = [part[i] for i in range(cute.size(part))]
+        # element (row, col) of the score view -> TMEM offset; O (row, n) -> TMEM offset
+        for r in (0, 17, 63):
+            for cc in (0, 31, 32, 63):
+                got[("s", r, cc)] = cute.crd2idx(((r, cc), 0, 0), s_layout)
+            for n in (0, 100, 128, 255, 256, 511):
+                got[("o", r, n)] = cute.crd2idx(((r, n % 256), 0, n // 256), o_full)
+
+    trace()
+    for key, val in got.items():
+        if key[0] == "ld":
+            t = key[1]
+            assert [tuple(int(x) for x in c) for c in val] == [(t % 64, 32 * (t // 64) + i) for i in range(32)], t
+        elif key[0] == "s":
+            _, r, cc = key
+            assert int(val) == (r + 64 * (cc // 32)) * 65536 + cc % 32, key
+        else:
+            _, r, n = key
+            c, within = divmod(n % 128, 32)  # chunk within the 128-column half, column in chunk
+            half = (n % 256) // 128
+            chunk = 4 * (n // 256) + c
+            # the chunk view = score layout at column 32 * chunk: lane r + 64 * half, column 32 chunk + within
+            assert int(val) == (r + 64 * half) * 65536 + 32 * chunk + within, key
+
+
+# ---------------------------------------------------------------------------------------------
 # Compile report (no GPU): SASS facts and resource use
 # ---------------------------------------------------------------------------------------------
 
@@ -300,10 +475,13 @@ def _compile_report():
     return mod
 
 
-FWD_KERNELS = {
-    "sm100_fwd_d576_h64": (576, False),
-    "sm100_fwd_d576_h128_topklen_sink": (576, True),
-    "sm100_fwd_d512_h64": (512, False),
+FWD_KERNELS = {  # name: (d_qk, sink, 2-CTA)
+    "sm100_fwd_d576_h64": (576, False, False),
+    "sm100_fwd_d576_h128_topklen_sink": (576, True, True),
+    "sm100_fwd_d512_h64": (512, False, False),
+    "sm100_fwd_d576_h128_2cta": (576, False, True),
+    "sm100_fwd_d512_h256_2cta": (512, False, True),
+    "sm100_fwd_d576_h128_1cta_topklen_sink": (576, True, False),
 }
 
 
@@ -313,7 +491,9 @@ def sm100_fwd_report():
     return {r["name"]: r for r in recs}
 
 
-def _check_sass(r, d_qk, sink):
+def _check_sass(r, d_qk, sink, two_cta):
+    if two_cta:
+        return _check_sass_2cta(r, d_qk, sink)
     from mla_kernels.sm100.fwd import THREADS, fwd_plan
 
     plan = fwd_plan(d_qk)
@@ -338,6 +518,28 @@ def _check_sass(r, d_qk, sink):
     assert base.get("HGMMA", 0) == 0 and base.get("UTMALDG", 0) == 0
 
 
+def _check_sass_2cta(r, d_qk, sink):
+    from mla_kernels.sm100.fwd_h128 import THREADS, fwd_h128_plan
+
+    plan = fwd_h128_plan(d_qk)
+    assert r["spill_bytes"] == 0 and r["registers"] is not None and r["registers"] * THREADS <= 65536
+    assert r["smem_bytes"] == plan.smem_bytes <= SMEM_LIMIT
+    if r["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    sass, base = r["sass"], r["sass_base"]
+    # only cta_group::2 tcgen05 MMAs/commits/allocs (ptxas rejects a mix, SM100_NOTES 0)
+    assert sass.get("UTCHMMA.2CTA", 0) == base.get("UTCHMMA", 0) == 2 * (d_qk // 16) + 8
+    assert sass.get("UTCBAR.2CTA.MULTICAST", 0) == base.get("UTCBAR", 0) == 4
+    assert all(".2CTA" in k for k in sass if k.startswith("UTCATOMSWS.FIND_AND_SET"))
+    # 32x32b TMEM traffic: S (1) + O rescale (8) + epilogue (8) loads, 8 rescale stores
+    assert sass.get("LDTM.x32", 0) == 17 and sass.get("STTM.x32", 0) == 8
+    # cp.async: Q (4 rows x d/64) + K (2 rows x d/64) + V (4 rows x 4 tiles) per thread
+    assert sass.get("LDGSTS.E.BYPASS.LTC256B.128", 0) == 6 * (d_qk // 64) + 16
+    assert sass.get("MUFU.EX2", 0) == 33 + (1 if sink else 0)
+    assert base.get("UCGABAR_ARV", 0) == 2 and base.get("UCGABAR_WAIT", 0) == 2  # cluster syncs
+    assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("name", sorted(FWD_KERNELS))
 def test_sm100_fwd_sass(sm100_fwd_report, name):
@@ -347,10 +549,17 @@ def test_sm100_fwd_sass(sm100_fwd_report, name):
 
 
 @pytest.mark.compile
+def test_sm103a_fwd_2cta_sass():
+    recs = _compile_report().run("sm_103a", only={"sm100_fwd_d576_h128_2cta"}, quiet=True)
+    assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
+    _check_sass(recs[0], 576, False, True)
+
+
+@pytest.mark.compile
 def test_sm103a_fwd_sass():
     recs = _compile_report().run("sm_103a", only={"sm100_fwd_d576_h64"}, quiet=True)
     assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
-    _check_sass(recs[0], 576, False)
+    _check_sass(recs[0], 576, False, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,10 +642,11 @@ def test_fwd_large_logits(monkeypatch):
     run_and_check(case, monkeypatch, abs_tol=1.6e-2, logit_scale=150.0)
 
 
+@pytest.mark.parametrize("h_q", [256, 192])  # 2 clusters (2-CTA kernel); 3 CTAs (1-CTA kernel)
 @needs_sm100
 @pytest.mark.gpu
-def test_fwd_many_heads(monkeypatch):
-    case = make_case(20, 256, 576, 1000, 256, device="cuda")
+def test_fwd_many_heads(h_q, monkeypatch):
+    case = make_case(20, h_q, 576, 1000, 256, device="cuda")
     run_and_check(case, monkeypatch)
 
 
