@@ -312,10 +312,17 @@ def test_h128_plan(d_qk):
 
 
 @pytest.mark.parametrize("h_q,two", [(64, False), (128, True), (192, False), (256, True)])
-def test_kernel_choice(h_q, two):
-    from mla_kernels.sm100 import fwd_two_cta
+def test_kernel_choice(h_q, two, monkeypatch):
+    from mla_kernels.sm100 import ENV_FWD_KERNEL, fwd_two_cta
 
     assert fwd_two_cta(h_q) is two
+    monkeypatch.setenv(ENV_FWD_KERNEL, "1cta")
+    assert fwd_two_cta(h_q) is False
+    monkeypatch.setenv(ENV_FWD_KERNEL, "2cta")
+    assert fwd_two_cta(h_q) is two
+    monkeypatch.setenv(ENV_FWD_KERNEL, "bogus")
+    with pytest.raises(ValueError, match="MLA_KERNELS_SM100_FWD"):
+        fwd_two_cta(h_q)
 
 
 def test_h128_operand_split_between_the_pair():
@@ -589,22 +596,29 @@ SHAPES = [(1, 128, 128), (62, 592, 128), (213, 1840, 256), (62, 1521, 512), (213
 
 
 @pytest.mark.parametrize("s_q,s_kv,topk", SHAPES)
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q,kernel", [(64, "auto"), (128, "auto"), (128, "1cta")])  # auto at 128 = 2-CTA
 @pytest.mark.parametrize("d_qk", [576, 512])
 @needs_sm100
 @pytest.mark.gpu
-def test_fwd_shapes(s_q, s_kv, topk, h_q, d_qk, monkeypatch):
+def test_fwd_shapes(s_q, s_kv, topk, h_q, kernel, d_qk, monkeypatch):
+    from mla_kernels.sm100 import ENV_FWD_KERNEL
+
     if s_q == 4096 and (h_q, d_qk) != (128, 576):
-        pytest.skip("headline size runs once, at h_q 128 / d_qk 576")
+        pytest.skip("headline size runs once per kernel, at h_q 128 / d_qk 576")
+    monkeypatch.setenv(ENV_FWD_KERNEL, kernel)
     case = make_case(s_q, h_q, d_qk, s_kv, topk, device="cuda", invalid_frac=0.1, empty_rows=2)
     run_and_check(case, monkeypatch)
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])
 @pytest.mark.parametrize("sink", [None, "finite", "neginf"])
+@pytest.mark.parametrize("kernel", ["auto", "1cta"])
 @needs_sm100
 @pytest.mark.gpu
-def test_fwd_topk_length_and_sink(d_qk, sink, monkeypatch):
+def test_fwd_topk_length_and_sink(d_qk, sink, kernel, monkeypatch):
+    from mla_kernels.sm100 import ENV_FWD_KERNEL
+
+    monkeypatch.setenv(ENV_FWD_KERNEL, kernel)
     case = make_case(213, 128, d_qk, 1840, 256, device="cuda", topk_length=True, sink=sink)
     run_and_check(case, monkeypatch)
 

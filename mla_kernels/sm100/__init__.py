@@ -14,6 +14,7 @@ first-use canary against the reference for every new configuration.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -42,10 +43,21 @@ def fwd_head_groups(h_q: int) -> int:
     return h_q // FWD_HEADS_PER_CTA
 
 
+#: Bring-up knob: ``auto`` (default), ``1cta`` (always the 1-CTA kernel) or ``2cta``.
+ENV_FWD_KERNEL = "MLA_KERNELS_SM100_FWD"
+
+
 def fwd_two_cta(h_q: int) -> bool:
     """Which forward kernel serves ``h_q``: the 2-CTA one (``fwd_h128.py``, clusters of two
-    64-head CTAs) when h_q is a multiple of 128, else the 1-CTA one (``fwd.py``)."""
-    return h_q % 128 == 0
+    64-head CTAs) when h_q is a multiple of 128, else the 1-CTA one (``fwd.py``).
+
+    ``MLA_KERNELS_SM100_FWD=1cta`` forces the 1-CTA kernel for every h_q (``2cta`` insists on the
+    2-CTA one where h_q allows it): both are compile-proven only, so the first hardware run may
+    need to tell them apart."""
+    choice = os.environ.get(ENV_FWD_KERNEL, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "1cta", "2cta"):
+        raise ValueError(f"{ENV_FWD_KERNEL}={choice!r}: expected auto, 1cta or 2cta")
+    return h_q % 128 == 0 and choice != "1cta"
 
 
 def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_100a",
@@ -160,8 +172,9 @@ class Sm100Backend(Backend):
     def fwd(self, p: Problem):
         arch = _compile.arch_for_device(p.device)
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
-        key = ("SparseMlaFwdSm100", fwd_two_cta(p.h_q), p.d_qk, p.h_q, has_tl, has_sink, arch)
-        _, fn = _compile.cached_compile(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch))
+        two_cta = fwd_two_cta(p.h_q)
+        key = ("SparseMlaFwdSm100", two_cta, p.d_qk, p.h_q, has_tl, has_sink, arch)
+        _, fn = _compile.cached_compile(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch, two_cta))
         out = host.alloc((p.s_q, p.h_q, p.d_v), torch.bfloat16, p.device)
         max_logits = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
         lse = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
