@@ -9,6 +9,9 @@
 * the same for the 2-CTA h128 kernel (``fwd_h128.py``): which K rows / V columns each CTA of the
   pair feeds the MMAs (the DSL's partition of the cta_group::2 operands), the folded TMEM layout
   of its scores and O (thread t: row t % 64, column half t / 64);
+* synchronisation protocol: a host model of both kernels' mbarrier schedules (same barriers,
+  counts and parities) run under random interleavings: no deadlock, no buffer read before it is
+  written or overwritten before its reader finished (and injected schedule bugs are caught);
 * compile report (marked ``compile``): sm_100a/sm_103a SASS has the 1-CTA tcgen05 MMAs (or only
   ``.2CTA`` ones and multicast commits for the cluster kernel), TMEM loads/stores, the cp.async
   gather and ``MUFU.EX2``, no spills, smem within budget;
@@ -466,6 +469,281 @@ def test_h128_tmem_fold():
             chunk = 4 * (n // 256) + c
             # the chunk view = score layout at column 32 * chunk: lane r + 64 * half, column 32 chunk + within
             assert int(val) == (r + 64 * half) * 65536 + 32 * chunk + within, key
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronisation protocol (a host model of both kernels' mbarrier schedules)
+# ---------------------------------------------------------------------------------------------
+#
+# Each role of the kernels is mirrored as a generator that yields the mbarrier waits it performs
+# (same barriers, same parities); cp.async landings and MMA completions are asynchronous events
+# fired at random later times (MMAs complete in issue order, commits after them).  Random
+# interleavings must never deadlock, and every buffer read must see the block it expects while
+# no write lands on a buffer that an unfinished reader still needs.  This proves the schedule
+# (phases, arrival counts, who waits for whom), not the kernel code: keep the two in step.
+
+
+class _Bar:
+    """An mbarrier: ``count`` arrivals complete a phase; ``try_wait.parity(p)`` passes once the
+    phase of parity ``p`` is complete (a fresh barrier passes parity 1)."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.phases = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phases += 1
+            self.pending = self.count
+
+    def passed(self, parity: int) -> bool:
+        return self.phases % 2 != parity
+
+
+class _Sim:
+    def __init__(self, seed: int):
+        import random
+
+        self.rng = random.Random(seed)
+        self.roles = []
+        self.events = []  # async completions: callables
+        self.mma_fifo = []  # tcgen05 ops complete in issue order
+
+    def wait(self, bar, parity):
+        return lambda: bar.passed(parity)
+
+    def later(self, fn):
+        self.events.append(fn)
+
+    def mma(self, fn):
+        self.mma_fifo.append(fn)
+
+    def run(self):
+        gens = [[g, None] for g in self.roles]
+        steps = 0
+        while True:
+            steps += 1
+            assert steps < 200_000
+            runnable = [x for x in gens if x[0] is not None and (x[1] is None or x[1]())]
+            choices = len(runnable) + len(self.events) + (1 if self.mma_fifo else 0)
+            if choices == 0:
+                assert all(x[0] is None for x in gens), "deadlock: every role waits"
+                return
+            k = self.rng.randrange(choices)
+            if k < len(runnable):
+                x = runnable[k]
+                try:
+                    x[1] = next(x[0])
+                except StopIteration:
+                    x[0] = None
+            elif k < len(runnable) + len(self.events):
+                self.events.pop(k - len(runnable))()
+            else:
+                self.mma_fifo.pop(0)()
+
+
+def _model_1cta(sim: _Sim, n: int, fault: str = ""):
+    """fwd.py: gather (warps 4-7), MMA (warp 8), softmax (warps 0-3).  ``fault`` injects a
+    schedule bug (for the test that the model can fail)."""
+    B = _Bar
+    q_full, p_full, o_done = B(1), B(1), B(1)
+    kv_full, kv_empty, s_full, s_empty = [B(1), B(1)], [B(1), B(1)], [B(1), B(1)], [B(1), B(1)]
+    st = dict(kv=[None, None], kv_readers=[0, 0], S=[None, None], S_read=[-2, -1], P=None, pv_busy=0, O=-1)
+
+    def gather():
+        if n:
+            sim.later(q_full.arrive)
+        for b in range(n):
+            s = b % 2
+            yield sim.wait(kv_empty[s], ((b // 2) & 1) ^ (0 if fault == "kv_empty_parity" else 1))
+
+            def land(b=b, s=s):
+                assert st["kv_readers"][s] == 0, "KV stage overwritten under an MMA"
+                st["kv"][s] = b
+                kv_full[s].arrive()
+
+            sim.later(land)
+
+    def issue_qk(j):
+        s = j % 2
+        yield sim.wait(kv_full[s], (j // 2) & 1)
+        yield sim.wait(s_empty[s], ((j // 2) & 1) ^ (0 if fault == "s_empty_parity" else 1))
+        assert st["kv"][s] == j
+        st["kv_readers"][s] += 1
+
+        def done(j=j, s=s):
+            assert st["kv"][s] == j and st["S_read"][s] == j - 2, "S overwritten before it was read"
+            st["S"][s] = j
+            st["kv_readers"][s] -= 1
+            s_full[s].arrive()
+
+        sim.mma(done)
+
+    def mma():
+        if n:
+            yield sim.wait(q_full, 0)
+            yield from issue_qk(0)
+        for b in range(n):
+            if b + 1 < n:
+                yield from issue_qk(b + 1)
+            yield sim.wait(p_full, b & 1)
+            s = b % 2
+            assert st["P"] == b and st["O"] == b - 1 and st["kv"][s] == b
+            st["kv_readers"][s] += 1
+            st["pv_busy"] += 1
+
+            def done(b=b, s=s):
+                assert st["P"] == b and st["kv"][s] == b and st["O"] == b - 1
+                st["O"] = b
+                st["kv_readers"][s] -= 1
+                st["pv_busy"] -= 1
+                kv_empty[s].arrive()
+                o_done.arrive()
+
+            sim.mma(done)
+
+    def softmax():
+        for b in range(n):
+            buf = b % 2
+            yield sim.wait(s_full[buf], (b // 2) & 1)
+            assert st["S"][buf] == b
+            st["S_read"][buf] = b
+            s_empty[buf].arrive()
+            if b > 0 and fault != "no_o_done_wait":
+                yield sim.wait(o_done, (b - 1) & 1)
+            if b > 0:
+                assert st["O"] == b - 1 and st["pv_busy"] == 0  # the O rescale / P rewrite are safe
+            st["P"] = b
+            p_full.arrive()
+        if n:
+            yield sim.wait(o_done, (n - 1) & 1)
+        assert st["O"] == n - 1 and st["pv_busy"] == 0  # epilogue reads the final O
+
+    sim.roles += [gather(), mma(), softmax()]
+
+
+def _model_2cta(sim: _Sim, n: int):
+    """fwd_h128.py: per CTA gather + softmax; CTA 0 MMA; CTA 1 relay.  Barriers the MMA waits on
+    live in CTA 0; commits are multicast to both CTAs."""
+    B = _Bar
+    q_local = [B(1), B(1)]
+    kv_local = [[B(1), B(1)], [B(1), B(1)]]
+    q_peer, kv_peer = B(1), [B(1), B(1)]
+    s_empty, p_full = [B(2), B(2)], B(2)  # CTA 0: one arrival per CTA's softmax warpgroup here
+    s_full = [[B(1), B(1)], [B(1), B(1)]]
+    o_done = [B(1), B(1)]
+    kv_empty = [[B(1), B(1)], [B(1), B(1)]]
+    st = dict(kv=[[None, None], [None, None]], kv_readers=[0, 0], S=[[None, None], [None, None]],
+              S_read=[[-2, -1], [-2, -1]], P=[None, None], pv_busy=0, O=[-1, -1])
+
+    def gather(r):
+        if n:
+            sim.later(q_local[r].arrive)
+        for b in range(n):
+            s = b % 2
+            yield sim.wait(kv_empty[r][s], ((b // 2) & 1) ^ 1)
+
+            def land(b=b, s=s):
+                assert st["kv_readers"][s] == 0, "KV stage overwritten under an MMA"
+                st["kv"][r][s] = b
+                kv_local[r][s].arrive()
+
+            sim.later(land)
+
+    def relay():
+        if n:
+            yield sim.wait(q_local[1], 0)
+            q_peer.arrive()
+        for b in range(n):
+            yield sim.wait(kv_local[1][b % 2], (b // 2) & 1)
+            kv_peer[b % 2].arrive()
+
+    def issue_qk(j):
+        s = j % 2
+        yield sim.wait(kv_local[0][s], (j // 2) & 1)
+        yield sim.wait(kv_peer[s], (j // 2) & 1)
+        yield sim.wait(s_empty[s], ((j // 2) & 1) ^ 1)
+        assert st["kv"][0][s] == j and st["kv"][1][s] == j
+        st["kv_readers"][s] += 1
+
+        def done(j=j, s=s):
+            for r in (0, 1):
+                assert st["kv"][r][s] == j and st["S_read"][r][s] == j - 2
+                st["S"][r][s] = j
+            st["kv_readers"][s] -= 1
+            for r in (0, 1):
+                s_full[r][s].arrive()
+
+        sim.mma(done)
+
+    def mma():
+        if n:
+            yield sim.wait(q_local[0], 0)
+            yield sim.wait(q_peer, 0)
+            yield from issue_qk(0)
+        for b in range(n):
+            if b + 1 < n:
+                yield from issue_qk(b + 1)
+            yield sim.wait(p_full, b & 1)
+            s = b % 2
+            assert st["P"] == [b, b] and st["O"] == [b - 1, b - 1] and st["kv"][0][s] == st["kv"][1][s] == b
+            st["kv_readers"][s] += 1
+            st["pv_busy"] += 1
+
+            def done(b=b, s=s):
+                assert st["P"] == [b, b] and st["kv"][0][s] == st["kv"][1][s] == b
+                st["O"] = [b, b]
+                st["kv_readers"][s] -= 1
+                st["pv_busy"] -= 1
+                for r in (0, 1):
+                    kv_empty[r][s].arrive()
+                for r in (0, 1):
+                    o_done[r].arrive()
+
+            sim.mma(done)
+
+    def softmax(r):
+        for b in range(n):
+            buf = b % 2
+            yield sim.wait(s_full[r][buf], (b // 2) & 1)
+            assert st["S"][r][buf] == b
+            st["S_read"][r][buf] = b
+            s_empty[buf].arrive()
+            if b > 0:
+                yield sim.wait(o_done[r], (b - 1) & 1)
+                assert st["O"][r] == b - 1 and st["pv_busy"] == 0
+            st["P"][r] = b
+            p_full.arrive()
+        if n:
+            yield sim.wait(o_done[r], (n - 1) & 1)
+        assert st["O"][r] == n - 1 and st["pv_busy"] == 0
+
+    sim.roles += [gather(0), gather(1), relay(), mma(), softmax(0), softmax(1)]
+
+
+@pytest.mark.parametrize("model", [_model_1cta, _model_2cta])
+def test_sync_protocol_never_deadlocks_or_races(model):
+    for n in range(0, 7):
+        for seed in range(60):
+            sim = _Sim(seed * 131 + n)
+            model(sim, n)
+            sim.run()
+
+
+@pytest.mark.parametrize("fault", ["no_o_done_wait", "s_empty_parity", "kv_empty_parity"])
+def test_sync_protocol_model_catches_faults(fault):
+    """The model is not vacuous: each injected schedule bug fails some interleaving."""
+    failed = False
+    for seed in range(200):
+        sim = _Sim(seed)
+        _model_1cta(sim, 5, fault=fault)
+        try:
+            sim.run()
+        except AssertionError:
+            failed = True
+            break
+    assert failed, fault
 
 
 # ---------------------------------------------------------------------------------------------
