@@ -101,6 +101,16 @@ def test_head_groups_and_grid(h_q, groups):
         fwd_head_groups(96)
 
 
+def test_canary_key_names_the_kernel(monkeypatch):
+    from mla_kernels.sm100 import BACKEND, ENV_FWD_KERNEL
+
+    p = _problem(h_q=128)
+    auto = BACKEND.config_key("fwd", p)
+    monkeypatch.setenv(ENV_FWD_KERNEL, "1cta")
+    assert BACKEND.config_key("fwd", p) != auto
+    assert BACKEND.config_key("attn_dist", p) == BACKEND.config_key("attn_dist", p)
+
+
 def _problem(h_q=128, d_qk=576, dtype=torch.bfloat16, sm_scale=0.1, d_v=512):
     q = torch.zeros(2, h_q, d_qk, dtype=dtype)
     kv = torch.zeros(16, d_qk, dtype=dtype)

@@ -169,6 +169,11 @@ class Sm100Backend(Backend):
             return f"s_kv={p.s_kv} does not fit int32 indices"
         return None
 
+    def config_key(self, op: str, p: Problem) -> tuple:
+        # The first-use canary is per kernel: the bring-up knob can switch the forward's kernel.
+        key = super().config_key(op, p)
+        return key + (fwd_two_cta(p.h_q),) if op == "fwd" else key
+
     def fwd(self, p: Problem):
         arch = _compile.arch_for_device(p.device)
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
