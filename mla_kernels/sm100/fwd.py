@@ -45,7 +45,7 @@ from typing import List, Tuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
