@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 ARCHES = ("sm_90a", "sm_100a", "sm_103a")
 #: Mnemonics printed per kernel (the JSON keeps every opcode).
-KEY_OPS = ("HGMMA", "UTCHMMA", "UTCBAR", "LDTM", "UTMALDG", "UTMASTG", "LDGSTS", "STSM", "REDG", "LDL", "STL")
+KEY_OPS = ("HGMMA", "UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTMALDG", "UTMASTG", "LDGSTS", "STSM", "REDG", "LDL", "STL")
 
 
 def kernels_for(arch):
@@ -61,8 +61,16 @@ def kernels_for(arch):
     if arch in ("sm_100a", "sm_103a"):
         from mla_kernels.sm100 import compile_attn_dist as sm100_attn_dist
         from mla_kernels.sm100 import compile_bwd as sm100_bwd
+        from mla_kernels.sm100 import compile_fwd as sm100_fwd
 
         return [
+            ("sm100_fwd_d576_h64", lambda a, **kw: sm100_fwd(576, 64, False, False, a, **kw)),
+            ("sm100_fwd_d576_h128_topklen_sink", lambda a, **kw: sm100_fwd(576, 128, True, True, a, **kw)),
+            ("sm100_fwd_d512_h64", lambda a, **kw: sm100_fwd(512, 64, False, False, a, **kw)),
+            ("sm100_fwd_d576_h128_2cta", lambda a, **kw: sm100_fwd(576, 128, False, False, a, **kw)),
+            ("sm100_fwd_d512_h256_2cta", lambda a, **kw: sm100_fwd(512, 256, False, False, a, **kw)),
+            ("sm100_fwd_d576_h128_1cta_topklen_sink",
+             lambda a, **kw: sm100_fwd(576, 128, True, True, a, two_cta=False, **kw)),
             ("sm100_attn_dist_d576_h128", lambda a, **kw: sm100_attn_dist(576, 128, False, False, a, **kw)),
             ("sm100_attn_dist_d576_h64_topklen_norm", lambda a, **kw: sm100_attn_dist(576, 64, True, True, a, **kw)),
             ("sm100_attn_dist_d512_h128", lambda a, **kw: sm100_attn_dist(512, 128, False, False, a, **kw)),

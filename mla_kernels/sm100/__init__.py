@@ -1,9 +1,9 @@
 """The sm100 (Blackwell) backend: CuTe DSL kernels compiled for sm_100a / sm_103a.
 
-``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file: ``attn_dist.py``
-(attention distribution), ``bwd.py`` (backward; its host side is the shared
-``common/bwd_host.py``).  Ops without an sm100 kernel yet are reported as unsupported, so
-``auto`` dispatch serves them with the reference and says so.
+``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file: ``fwd.py`` (sparse
+forward, 64 heads per CTA, 1-CTA tcgen05), ``fwd_h128.py`` (sparse forward, 128 heads per 2-CTA
+cluster, used when h_q is a multiple of 128), ``attn_dist.py`` (attention distribution) and
+``bwd.py`` (backward, 64 heads per CTA; its host side is the shared ``common/bwd_host.py``).
 
 The kernels are proven by compilation only (PTX -> SASS for sm_100a/sm_103a, see
 ``tools/compile_report.py``), never run: ``hardware_verified = False`` makes dispatch run a
@@ -13,6 +13,7 @@ first-use canary against the reference for every new configuration.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -22,10 +23,78 @@ from ..common import host
 from ..common.backend import Backend
 from ..common.problem import Problem
 
-__all__ = ["BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist", "compile_bwd"]
+__all__ = [
+    "BACKEND", "Sm100Backend", "attn_dist_heads_per_cta", "compile_attn_dist", "compile_bwd", "compile_fwd",
+    "fwd_head_groups", "fwd_two_cta",
+]
 
-#: Tokens per attn_dist block (the MMA's M); the API pads topk to a multiple of it.
+#: The API pads topk to a multiple of this: attn_dist's block (its MMA M, 128 tokens); the
+#: forward's 64-token blocks divide it.
 TOPK_BLOCK = 128
+#: Heads per forward CTA (the forward's MMA M per CTA); h_q = 64 k runs k CTAs per query token.
+FWD_HEADS_PER_CTA = 64
+
+
+def fwd_head_groups(h_q: int) -> int:
+    """CTAs per query token of the forward (grid = s_q x this), for either kernel."""
+    if h_q % FWD_HEADS_PER_CTA:
+        raise ValueError(f"h_q={h_q} is not a multiple of {FWD_HEADS_PER_CTA}")
+    return h_q // FWD_HEADS_PER_CTA
+
+
+#: Bring-up knob: ``auto`` (default), ``1cta`` (always the 1-CTA kernel) or ``2cta``.
+ENV_FWD_KERNEL = "MLA_KERNELS_SM100_FWD"
+
+
+def fwd_two_cta(h_q: int) -> bool:
+    """Which forward kernel serves ``h_q``: the 2-CTA one (``fwd_h128.py``, clusters of two
+    64-head CTAs) when h_q is a multiple of 128, else the 1-CTA one (``fwd.py``).
+
+    ``MLA_KERNELS_SM100_FWD=1cta`` forces the 1-CTA kernel for every h_q (``2cta`` insists on the
+    2-CTA one where h_q allows it): both are compile-proven only, so the first hardware run may
+    need to tell them apart."""
+    choice = os.environ.get(ENV_FWD_KERNEL, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "1cta", "2cta"):
+        raise ValueError(f"{ENV_FWD_KERNEL}={choice!r}: expected auto, 1cta or 2cta")
+    return h_q % 128 == 0 and choice != "1cta"
+
+
+def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_100a",
+                two_cta: Optional[bool] = None, **kw):
+    """Compile the sm100 sparse forward for one static configuration (no GPU needed).
+
+    ``two_cta`` picks the kernel (default :func:`fwd_two_cta`); the 1-CTA kernel serves any h_q."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    if two_cta is None:
+        two_cta = fwd_two_cta(h_q)
+    if two_cta:
+        if h_q % 128:
+            raise ValueError(f"the 2-CTA forward needs h_q % 128 == 0, got {h_q}")
+        from .fwd_h128 import SparseMlaFwdSm100H128 as Kernel
+    else:
+        from .fwd import SparseMlaFwdSm100 as Kernel
+
+    kernel = Kernel(d_qk, 512, has_topk_length, has_sink)
+    s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(5))
+    s_kv = cute.sym_int()
+    topk = cute.sym_int(divisibility=64)
+    n_tl, n_sink = cute.sym_int(), cute.sym_int()
+    args = (
+        host.fake(BFloat16, (s_q, h_q, d_qk)),
+        host.fake(BFloat16, (s_kv, d_qk)),
+        host.fake(Int32, (s_q2, topk)),
+        host.fake(Int32, (n_tl,), align=4),
+        host.fake(Float32, (n_sink,), align=4),
+        host.fake(BFloat16, (s_q3, h_q, 512)),
+        host.fake(Float32, (s_q4, h_q), align=4),
+        host.fake(Float32, (s_q5, h_q), align=4),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+    compiled = _compile.compile_kernel(kernel, *args, arch=arch, **kw)
+    return kernel, compiled
 
 
 def attn_dist_heads_per_cta(h_q: int) -> int:
@@ -120,13 +189,13 @@ class Sm100Backend(Backend):
         return Sm100Backend._dsl_error
 
     def supports(self, op: str, p: Problem) -> Optional[str]:
-        if op not in ("attn_dist", "bwd"):
+        if op not in ("fwd", "attn_dist", "bwd"):
             return f"no sm100 {op} kernel yet"
         if p.dtype != torch.bfloat16:
             return f"dtype {p.dtype} (kernels take bfloat16)"
         if p.d_qk not in (512, 576):
             return f"d_qk={p.d_qk} (kernels take 512 or 576)"
-        if op == "bwd" and p.d_v != 512:
+        if op in ("fwd", "bwd") and p.d_v != 512:
             return f"d_v={p.d_v} (kernels take 512)"
         if p.h_q % 64:
             return f"h_q={p.h_q} (kernels take a multiple of 64)"
@@ -135,6 +204,25 @@ class Sm100Backend(Backend):
         if p.s_kv >= 2**31:
             return f"s_kv={p.s_kv} does not fit int32 indices"
         return None
+
+    def config_key(self, op: str, p: Problem) -> tuple:
+        # The first-use canary is per kernel: the bring-up knob can switch the forward's kernel.
+        key = super().config_key(op, p)
+        return key + (fwd_two_cta(p.h_q),) if op == "fwd" else key
+
+    def fwd(self, p: Problem):
+        arch = _compile.arch_for_device(p.device)
+        has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
+        two_cta = fwd_two_cta(p.h_q)
+        key = ("SparseMlaFwdSm100", two_cta, p.d_qk, p.h_q, has_tl, has_sink, arch)
+        _, fn = _compile.cached_compile(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch, two_cta))
+        out = host.alloc((p.s_q, p.h_q, p.d_v), torch.bfloat16, p.device)
+        max_logits = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
+        lse = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
+        tl = p.topk_length if has_tl else host.dummy(torch.int32, p.device)
+        sink = p.attn_sink if has_sink else host.dummy(torch.float32, p.device)
+        fn(p.q, p.kv, p.indices, tl, sink, out, max_logits, lse, p.sm_scale * math.log2(math.e))
+        return out, max_logits, lse
 
     def attn_dist(self, p: Problem, lse: torch.Tensor, normalize: bool):
         arch = _compile.arch_for_device(p.device)
