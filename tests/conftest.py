@@ -49,6 +49,16 @@ def skip_unless_sm100():
     return pytest.mark.sm100
 
 
+@pytest.fixture
+def trace_for_sm100(monkeypatch):
+    """Trace tcgen05 code for sm_100a even on a host with another GPU (the DSL otherwise traces
+    for the local device's arch and rejects tcgen05 atoms)."""
+    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    monkeypatch.setattr(CuTeDSL._get_dsl().envar, "arch", "sm_100a")
+
+
 @pytest.fixture(autouse=True)
 def _hang_guard(request):
     """With MLA_TEST_TIMEOUT=<s>, dump all stacks and exit if one test runs longer (a hung kernel

@@ -131,16 +131,6 @@ def _writer_offset(row: int, col: int, rows: int) -> int:
     return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
 
 
-@pytest.fixture
-def trace_for_sm100(monkeypatch):
-    """Trace tcgen05 code for sm_100a even on a host with another GPU (the DSL otherwise traces
-    for the local device's arch and rejects tcgen05 atoms)."""
-    _cutlass()
-    from cutlass.cutlass_dsl import CuTeDSL
-
-    monkeypatch.setattr(CuTeDSL._get_dsl().envar, "arch", "sm_100a")
-
-
 @pytest.mark.parametrize("d_qk,heads", [(576, 128), (512, 64)])
 def test_mma_smem_layouts_match_the_writers(d_qk, heads, trace_for_sm100):
     cute = _cutlass()

@@ -173,7 +173,7 @@ def _mmas(cute):
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_mma_smem_layouts_match_the_writers(d_qk):
+def test_mma_smem_layouts_match_the_writers(d_qk, trace_for_sm100):
     cute = _cutlass()
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass import BFloat16
@@ -225,7 +225,7 @@ def test_mma_smem_layouts_match_the_writers(d_qk):
             assert phys == _writer_offset(k, n, 64), key
 
 
-def test_tmem_16x256b_gives_the_hopper_fragment():
+def test_tmem_16x256b_gives_the_hopper_fragment(trace_for_sm100):
     """Thread t of the softmax warpgroup holds element i = v + 2 row + 4 g at (fragment_row(t,
     row), 8 g + 2 (t % 4) + v) of a 64 x 64 tile, for loads and for stores alike."""
     cute = _cutlass()
@@ -261,7 +261,7 @@ def test_tmem_16x256b_gives_the_hopper_fragment():
         assert [tuple(int(x) for x in c) for c in st] == want, t
 
 
-def test_o_accumulator_halves_at_lane16():
+def test_o_accumulator_halves_at_lane16(trace_for_sm100):
     """PV's (64 x 512) accumulator as the DSL lays it out: N-tile h at TMEM lane offset 16 h of the
     same 256 columns, rows in lanes 16-row groups of each sub-partition -- what the MMA issue
     (``tmem_ptr + h * LANE16``) and the 64-column chunk views (``_o_chunk_offset``) assume."""
@@ -338,7 +338,7 @@ def test_kernel_choice(h_q, two, monkeypatch):
         fwd_two_cta(h_q)
 
 
-def test_h128_operand_split_between_the_pair():
+def test_h128_operand_split_between_the_pair(trace_for_sm100):
     """CTA v of the pair feeds A rows (heads) 64 v.., QK's B rows (tokens) 32 v.. and PV's B rows
     (dims of each N256 instruction) 128 v..; its accumulator holds its own 64 rows x all N --
     what the gather (``2 b + rank`` K blocks, V tiles ``4 h + 2 rank + c``) and the epilogue's
@@ -379,7 +379,7 @@ def test_h128_operand_split_between_the_pair():
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_h128_smem_layouts_match_the_writers(d_qk):
+def test_h128_smem_layouts_match_the_writers(d_qk, trace_for_sm100):
     cute = _cutlass()
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass import BFloat16, Float32
@@ -432,7 +432,7 @@ def test_h128_smem_layouts_match_the_writers(d_qk):
             assert phys == _writer_offset(k, n, 64), key
 
 
-def test_h128_tmem_fold():
+def test_h128_tmem_fold(trace_for_sm100):
     """32x32b loads of the 2-CTA accumulators: thread t holds row t % 64 and columns
     32 (t / 64) + i of the score tile; a 32-column view at column offset 32 c of O gives O columns
     256 (c / 4) + 128 (t / 64) + 32 (c % 4) + i (what the rescale and the epilogue assume)."""

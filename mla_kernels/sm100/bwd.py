@@ -1,6 +1,6 @@
 """Sparse MLA backward on Blackwell (sm_100a / sm_103a), CuTe DSL, 1-CTA tcgen05 + TMEM.
 
-Same op, arguments and host driver as the sm90 backward (``sm90/bwd_host.run_bwd`` launches it):
+Same op, arguments and host driver as the sm90 backward (``common/bwd_host.run_bwd`` launches it):
 one CTA per (query token, 64-head block), so any ``h_q`` multiple of 64 runs as ``h_q / 64`` CTAs
 per token (pairs of them launched as 2-CTA clusters when ``h_q / 64`` is even, as on sm90 --
 only for co-scheduling: every tcgen05 op is ``cta_group::1``).  Per top-k block of ``B_TOPK = 64`` indices (``c = sm_scale * log2(e)``):
