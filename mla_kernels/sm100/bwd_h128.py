@@ -240,6 +240,13 @@ def bulk_commit_and_wait_read(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def opaque_zero(*, loc=None, ip=None) -> Int32:
+    """0, invisible to the optimiser (keeps address math inside the loop that needs it)."""
+    return Int32(llvm.inline_asm(cutlass.cutlass_dsl.T.i32(), [], "mov.u32 $0, 0;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(
         None,
@@ -357,16 +364,8 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
         sDSb = storage.sDS.get_tensor(sDSb_l.outer, swizzle=sDSb_l.inner)
         p_ptr = storage.sKh.data_ptr() + self.plan2.p_offset_in_kh // 2
         sPb = cute.make_tensor(cute.recast_ptr(p_ptr, sDSb_l.inner, dtype=BFloat16), sDSb_l.outer)
-        # MN-major [128 dims x 64 heads] views of Q and dO per dKV^T chunk
-        sQt = []
-        sDOt = []
-        for c in cutlass.range_constexpr(len(self.plan2.chunk_dims)):
-            off = (self.plan2.chunk_dims[c] // K_TILE) * (B_H_CTA * K_TILE)  # elements
-            sQt.append(cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr() + off, sQt_l.inner, dtype=BFloat16),
-                                        sQt_l.outer))
-            if const_expr(self.plan2.chunk_dims[c] < self.d_v):
-                sDOt.append(cute.make_tensor(cute.recast_ptr(storage.sDO.data_ptr() + off, sQt_l.inner,
-                                                             dtype=BFloat16), sQt_l.outer))
+        sQ_ptr = storage.sQ.data_ptr()
+        sDO_ptr = storage.sDO.data_ptr()
         sQ_addr = dev.smem_addr_u32(storage.sQ.data_ptr())
         sDO_addr = dev.smem_addr_u32(storage.sDO.data_ptr())
         sKh_addr = dev.smem_addr_u32(storage.sKh.data_ptr())
@@ -412,7 +411,7 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                          mbar, tidx - 32 * GATHER_WARP0)
         elif warp_idx == MMA_WARP:
             if rank == 0:
-                self.mma2(sQ, sDO, sKh, sDSa, sKdq, sDSb, sPb, sQt, sDOt, tmem_holding, num_blocks, mbar)
+                self.mma2(sQ, sDO, sKh, sDSa, sKdq, sDSb, sPb, sQ_ptr, sDO_ptr, sQt_l, tmem_holding, num_blocks, mbar)
             else:
                 self.relay2(num_blocks, mbar)
         elif warp_idx == PUSH_WARP:
@@ -503,25 +502,18 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def mma2(self, sQ, sDO, sKh, sDSa, sKdq, sDSb, sPb, sQt, sDOt, tmem_holding, num_blocks, mbar):
+    def mma2(self, sQ, sDO, sKh, sDSa, sKdq, sDSb, sPb, sQ_ptr, sDO_ptr, sQt_l, tmem_holding, num_blocks, mbar):
         """CTA 0, warp 12: every MMA is cta_group::2; every commit is multicast to both CTAs."""
         dev.tcgen05_fence_after_thread_sync()
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)
         mma_s0 = self._mma_s()
         mma_dq0 = self._mma_dq()
         mma_dkv0 = self._mma_dkv()
-        tCrQ = mma_s0.make_fragment_A(sQ)
-        tCrDO = mma_s0.make_fragment_A(sDO)
-        tCrK = mma_s0.make_fragment_B(sKh)
         s_layout = mma_s0.make_fragment_C(mma_s0.partition_shape_C((B_H, B_TOPK))).layout
         tS = cute.make_tensor(tmem_ptr + COL_S, s_layout)
         tDP = cute.make_tensor(tmem_ptr + COL_DP, s_layout)
-        tCrDS = mma_dq0.make_fragment_A(sDSa)
-        tCrKdq = mma_dq0.make_fragment_B(sKdq)
         dq_layout = mma_dq0.make_fragment_C(mma_dq0.partition_shape_C((B_H, DQ_N))).layout
         dkv_layout = mma_dkv0.make_fragment_C(mma_dkv0.partition_shape_C((DKV_M, DKV_N))).layout
-        tCrDSb = mma_dkv0.make_fragment_B(sDSb)
-        tCrPb = mma_dkv0.make_fragment_B(sPb)
         acc_dkv = cute.make_tensor(tmem_ptr + self.plan2.dkv_col, dkv_layout)
         dkv_stage = make_pipeline_state(PipelineUserType.Producer, 1)
         mc = 0b11
@@ -531,6 +523,16 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
             cute.arch.mbarrier_wait(mbar + MB_Q_PEER, 0)
         for b in cutlass.range(num_blocks, unroll=1):
             parity = b & 1
+            # Operand descriptors are rebuilt per block from an opaque zero: hoisted out of the
+            # loop, ~40 live 64-bit descriptors spill at 128 registers.
+            z = opaque_zero()
+            tCrQ = mma_s0.make_fragment_A(cute.make_tensor(sQ.iterator + z, sQ.layout))
+            tCrDO = mma_s0.make_fragment_A(cute.make_tensor(sDO.iterator + z, sDO.layout))
+            tCrK = mma_s0.make_fragment_B(cute.make_tensor(sKh.iterator + z, sKh.layout))
+            tCrDS = mma_dq0.make_fragment_A(cute.make_tensor(sDSa.iterator + z, sDSa.layout))
+            tCrKdq = mma_dq0.make_fragment_B(cute.make_tensor(sKdq.iterator + z, sKdq.layout))
+            tCrDSb = mma_dkv0.make_fragment_B(cute.make_tensor(sDSb.iterator + z, sDSb.layout))
+            tCrPb = mma_dkv0.make_fragment_B(cute.make_tensor(sPb.iterator + z, sPb.layout))
             # ---- S = Q K^T, dP = dO V^T (M128 x N64, 2-CTA) ----
             cute.arch.mbarrier_wait(mbar + MB_KVH_LOCAL, parity)
             cute.arch.mbarrier_wait(mbar + MB_KVH_PEER, parity)
@@ -562,6 +564,16 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                 tcgen05.commit(mbar + MB_KDQ_FREE, mc, tcgen05.CtaGroup.TWO)
             # ---- dKV^T (block-diagonal M256 x N128; CTA r keeps columns 64 r ..) ----
             mma_dkv = self._mma_dkv()
+            # MN-major [128 dims x 64 heads] views of Q and dO per chunk (same opaque zero)
+            sQt = []
+            sDOt = []
+            for c in cutlass.range_constexpr(len(self.plan2.chunk_dims)):
+                off = (self.plan2.chunk_dims[c] // K_TILE) * (B_H_CTA * K_TILE) + z  # elements
+                sQt.append(cute.make_tensor(cute.recast_ptr(sQ_ptr + off, sQt_l.inner, dtype=BFloat16),
+                                            sQt_l.outer))
+                if const_expr(self.plan2.chunk_dims[c] < self.d_v):
+                    sDOt.append(cute.make_tensor(cute.recast_ptr(sDO_ptr + off, sQt_l.inner, dtype=BFloat16),
+                                                 sQt_l.outer))
             for c in cutlass.range_constexpr(len(self.plan2.chunk_dims)):
                 cute.arch.mbarrier_wait(mbar + MB_DKV_EMPTY, dkv_stage.phase)
                 dev.tcgen05_fence_after_thread_sync()
@@ -682,14 +694,40 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
+    def _delta_rows2(self, mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid):
+        """As ``SparseMlaBwdSm100._delta_rows`` with a rolled loop (register pressure)."""
+        row = dtid // 2
+        half = dtid % 2
+        head = head0 + row
+        row_off = (Int64(s_idx) * Int64(mO.shape[1]) + Int64(head)) * Int64(self.d_v)
+        row_layout = cute.make_layout((32, self.d_v // 32), stride=(1, 32))
+        gO = cute.make_tensor((mO.iterator + row_off).align(16), row_layout)
+        gDO = cute.make_tensor((mDO.iterator + row_off).align(16), row_layout)
+        rO = cute.make_rmem_tensor((32,), BFloat16)
+        rDO = cute.make_rmem_tensor((32,), BFloat16)
+        acc = Float32(0.0)
+        for c in cutlass.range(self.d_v // 64, unroll=1):
+            cute.autovec_copy(gO[None, half * (self.d_v // 64) + c], rO)
+            cute.autovec_copy(gDO[None, half * (self.d_v // 64) + c], rDO)
+            prod = rO.load().to(Float32) * rDO.load().to(Float32)
+            acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        if half == 0:
+            mDeltaOut[s_idx, head] = acc
+            corr = Float32(0.0)
+            if const_expr(self.has_dlse):
+                corr = mDeltaCorr[s_idx, head]
+            sNegDelta[row] = -(acc - corr) * sm_scale
+
+    @cute.jit
     def drain2(self, mKV, mIdx, mDO, mO, mDeltaCorr, mDeltaOut, mWs, sm_scale, s_idx, h_blk, head0, n_hblk, rank,
                topk, topk_len, num_blocks, sNegDelta, tmem_holding, mbar, dtid, warp_idx):
-        self._delta_rows(mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid)
+        self._delta_rows2(mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid)
         cute.arch.barrier(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
 
         dev.tcgen05_fence_after_thread_sync()
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)
-        halves = 2 if const_expr(self.deterministic) else 1
+        halves = 2  # 32 tokens per TMEM load: 64 loaded floats + the 16 rows spill at 128 registers
         cols = B_TOPK // halves
         half_layout = cute.make_layout(((D_CHUNK, cols), 1, 1), stride=((65536, 1), 0, 0))
         tKV0 = cute.make_tensor(tmem_ptr + self.plan2.dkv_col, half_layout)
