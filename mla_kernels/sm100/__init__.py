@@ -142,16 +142,18 @@ def bwd_two_cta(h_q: int) -> bool:
 
 def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
                 attn_sum_scaled: bool = False, deterministic: bool = False, has_dlse: bool = False,
-                arch: str = "sm_100a", two_cta: Optional[bool] = None, **kw):
+                arch: str = "sm_100a", **kw):
     """Compile the sm100 backward for one static configuration (no GPU needed).  Same arguments
     (and kernel argument order) as ``sm90.compile_bwd``: ``common.bwd_host.run_bwd`` drives both.
 
-    ``two_cta`` picks the kernel: default :func:`bwd_two_cta` (currently always the 1-CTA kernel,
-    ``bwd.py``); ``True`` compiles the 2-CTA h128 kernel (``bwd_h128.py``, compile-only, not wired
-    into dispatch: h_q % 128 == 0, no attn_sum)."""
+    Keyword ``two_cta`` (taken from ``kw`` so that the signature stays the sm90 one) picks the
+    kernel: default :func:`bwd_two_cta` (currently always the 1-CTA kernel, ``bwd.py``); ``True``
+    compiles the 2-CTA h128 kernel (``bwd_h128.py``, compile-only, not wired into dispatch: h_q %
+    128 == 0, no attn_sum)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
+    two_cta = kw.pop("two_cta", None)
     if two_cta is None:
         two_cta = bwd_two_cta(h_q)
     if two_cta:
