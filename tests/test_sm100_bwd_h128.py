@@ -256,8 +256,9 @@ def _check(r, d_qk, det):
     n_do = sum(1 for f, s in zip(p.chunk_dims, p.chunk_store_row) if f + s < 512)
     # no single-CTA tcgen05 op: every MMA and commit is cta_group::2
     for op, n in sass.items():
-        if op.startswith(("UTCHMMA", "UTCBAR", "UTCQMMA", "UTCOMMA")):
+        if op.startswith(("UTCHMMA", "UTCBAR", "UTCQMMA", "UTCOMMA", "UTCATOMSWS.FIND_AND_SET")):
             assert ".2CTA" in op, op
+    assert sass.get("UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN", 0) >= 1  # the cta_group::2 TMEM alloc
     assert sass.get("UTCHMMA.2CTA", 0) == 4 * (n_k + n_v) + 4 * n_dq + 4 * (n_ch + n_do)
     # commits: kvh_free, s_full, kdq_free, pds_free, dq_full + one per dKV chunk, all multicast
     assert sass.get("UTCBAR.2CTA.MULTICAST", 0) == n_ch + 5 == base.get("UTCBAR", 0)
