@@ -333,3 +333,80 @@ def test_bwd_h128_topk_length_sink_deterministic(sink, two_cta_backend, monkeypa
     for a, b in zip(*runs):
         if a is not None:
             assert torch.equal(a, b), "deterministic backward differs between runs"
+
+
+# ---------------------------------------------------------------------------------------------
+# The pair decomposition, emulated on the CPU with the plan's index maps (no kernel)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_pair_decomposition_matches_reference(d_qk):
+    """Emulates, per (token, CTA, block), exactly the operand splits the kernel issues: S/dP from
+    the two CTAs' 32-row K halves; dQ tile j from sKdq slots assembled by the DSMEM pushes (CTA s
+    copies its sKh tile ``kdq_tiles[0][j] + d`` to CTA d's slot j, rows 32 s..); dKV^T as the
+    block-diagonal product (CTA r keeps columns 64 r.., its own heads' partial) scattered with
+    the chunks' stored rows.  Checks dQ and dKV against the float32 reference."""
+    _cutlass()
+    import torch
+
+    from mla_kernels import reference as ref
+    from mla_kernels.sm100.bwd_h128 import bwd_h128_plan
+
+    torch.manual_seed(0)
+    p = bwd_h128_plan(d_qk)
+    case = make_case(3, 128, d_qk, 300, 192, invalid_frac=0.1, empty_rows=1)
+    q, kv = case.q.float(), case.kv.float()
+    out, _, lse = ref.sparse_mla_fwd_ref(q, kv, case.indices, case.sm_scale, 512, None, None)
+    dout = torch.randn(out.shape) * 0.1
+    want = ref.sparse_mla_bwd_ref(q, kv, out.float(), dout, case.indices, lse, case.sm_scale, 512)
+    idx2 = case.indices.reshape(case.indices.shape[0], -1)
+    valid = ref.valid_mask(case.indices, kv.shape[0])
+    lse2 = lse.float() * 1.4426950408889634
+    delta = (out.float() * dout).sum(-1)
+    kv2 = kv.reshape(kv.shape[0], d_qk)
+    dq = torch.zeros_like(q)
+    dkv = torch.zeros(kv.shape[0], d_qk)
+    c = case.sm_scale * 1.4426950408889634
+    for s in range(q.shape[0]):
+        for b in range(idx2.shape[1] // 64):
+            slots = torch.arange(64 * b, 64 * b + 64)
+            ok = valid[s, slots]
+            rows = torch.where(ok, idx2[s, slots], torch.zeros_like(slots)).long()
+            kblk = torch.where(ok[:, None], kv2[rows], torch.zeros(64, d_qk))  # zero-filled gather
+            kh = [kblk[32 * r:32 * r + 32] for r in (0, 1)]  # sKh of CTA r
+            # sKdq[d][j] = 64 tokens x 64 dims, rows 32 s.. pushed by CTA s
+            kdq = [[torch.cat([kh[src][:, 64 * (p.kdq_tiles[0][j] + d):64 * (p.kdq_tiles[0][j] + d) + 64]
+                               for src in (0, 1)]) for j in range(len(p.dq_tile_dims))] for d in (0, 1)]
+            pr, dsr = [], []
+            for r in (0, 1):
+                hs = slice(64 * r, 64 * r + 64)
+                kfull = torch.cat([kh[0], kh[1]])  # B halves: CTA0 tokens 0..31, CTA1 32..63
+                S = q[s, hs] @ kfull.T
+                dP = dout[s, hs] @ kfull[:, :512].T
+                P = torch.exp2(S * c - lse2[s, hs, None]) * ok[None, :]
+                dS = P * (dP * case.sm_scale - delta[s, hs, None] * case.sm_scale)
+                pr.append(P.bfloat16().float())
+                dsr.append(dS.bfloat16().float())
+            for r in (0, 1):
+                hs = slice(64 * r, 64 * r + 64)
+                for j, first in enumerate(p.dq_tile_dims):
+                    B = torch.cat([kdq[0][j], kdq[1][j]], dim=1)  # N halves from CTA 0 and CTA 1
+                    tile = dsr[r] @ B
+                    keep = slice(p.dq_store_from[j], 128)
+                    dq[s, hs, first + p.dq_store_from[j]:first + 128] += tile[:, keep]
+                for ci, first in enumerate(p.chunk_dims):
+                    # block-diagonal M256 x N128: CTA r's useful columns 64 r.. = own heads' partial
+                    bmat = torch.cat([dsr[0], dsr[1]], dim=1)  # (heads x 128): N halves of both CTAs
+                    acc = q[s, hs, first:first + 128].T @ bmat
+                    if first + p.chunk_store_row[ci] < 512:
+                        acc += dout[s, hs, first:first + 128].T @ torch.cat([pr[0], pr[1]], dim=1)
+                    own = acc[:, 64 * r:64 * r + 64]  # (dims x tokens)
+                    lo = p.chunk_store_row[ci]
+                    for t in range(64):
+                        if ok[t]:
+                            dkv[rows[t], first + lo:first + 128] += own[lo:, t]
+    from conftest import rel_l2
+
+    assert rel_l2(dq, want[0]) <= 1e-2, rel_l2(dq, want[0])
+    assert rel_l2(dkv, want[1].reshape(dkv.shape)) <= 1e-2, rel_l2(dkv, want[1].reshape(dkv.shape))
