@@ -72,7 +72,18 @@ have waited (the producer of phase b+1 always waits on a consequence of the wait
 * ``DQ_FULL`` (mc after the last block) -> math epilogue.
 * The pair ends with a cluster barrier before the cta_group::2 TMEM dealloc.
 
-Unproven: never run (no Blackwell GPU); the SASS and the layout contracts are what tests check.
+Compile report (sm_100a and sm_103a): 105-108 registers, 0 spills, 226,304 B smem (d576),
+UTCHMMA.2CTA 124, UTCBAR.2CTA.MULTICAST 10, UBLKCP.S.S 10, LDTM.x32 22, 80 REDG.E.ADD.F32x4
+(0 in the deterministic variant), no single-CTA tcgen05 op.  The drain loads 32 tokens per TMEM
+load and the MMA warp rebuilds its operand descriptors per block from an opaque zero: both only
+to stay within the 128 registers ptxas gives a 448-thread CTA without spilling.
+
+Unproven / known costs: never run (no Blackwell GPU); the SASS, the layout contracts and a CPU
+emulation of the pair decomposition are what tests check.  Costs by design: half of every dKV^T
+MMA is wasted (block-diagonal), dKV atomics are per CTA (twice those of a pair-summed scheme,
+the same as two 1-CTA head blocks), P in sKh serialises the next K gather behind the dKV^T
+phase.  Cross-CTA ordering relies on remote ``mbarrier.arrive.release.cluster`` + a local
+(CTA-scope) wait before async-proxy reads, as in ``fwd_h128.py``.
 """
 
 from __future__ import annotations
