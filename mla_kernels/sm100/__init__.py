@@ -129,17 +129,41 @@ def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: boo
     return kernel, compiled
 
 
+#: Whether the 2-CTA backward (``bwd_h128.py``) is complete enough to serve dispatch.  It is not:
+#: it compiles, but it is unverified on hardware and lacks attn_sum, so dispatch stays on the
+#: 1-CTA kernel and the 2-CTA kernel is only in the compile report.
+BWD_TWO_CTA_READY = False
+
+
+def bwd_two_cta(h_q: int) -> bool:
+    """Which backward kernel serves ``h_q`` by default (False: the 1-CTA ``bwd.py``)."""
+    return BWD_TWO_CTA_READY and h_q % 128 == 0
+
+
 def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
                 attn_sum_scaled: bool = False, deterministic: bool = False, has_dlse: bool = False,
                 arch: str = "sm_100a", **kw):
     """Compile the sm100 backward for one static configuration (no GPU needed).  Same arguments
-    (and kernel argument order) as ``sm90.compile_bwd``: ``common.bwd_host.run_bwd`` drives both."""
+    (and kernel argument order) as ``sm90.compile_bwd``: ``common.bwd_host.run_bwd`` drives both.
+
+    Keyword ``two_cta`` (taken from ``kw`` so that the signature stays the sm90 one) picks the
+    kernel: default :func:`bwd_two_cta` (currently always the 1-CTA kernel, ``bwd.py``); ``True``
+    compiles the 2-CTA h128 kernel (``bwd_h128.py``, compile-only, not wired into dispatch: h_q %
+    128 == 0, no attn_sum)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
-    from .bwd import SparseMlaBwdSm100
+    two_cta = kw.pop("two_cta", None)
+    if two_cta is None:
+        two_cta = bwd_two_cta(h_q)
+    if two_cta:
+        if h_q % 128:
+            raise ValueError(f"the 2-CTA sm100 backward needs h_q % 128 == 0, got {h_q}")
+        from .bwd_h128 import SparseMlaBwdSm100H128 as Kernel
+    else:
+        from .bwd import SparseMlaBwdSm100 as Kernel
 
-    kernel = SparseMlaBwdSm100(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic)
+    kernel = Kernel(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic)
     sq = [cute.sym_int() for _ in range(10)]
     s_kv, n_ws, n_tl, n_grp = (cute.sym_int() for _ in range(4))
     topk = cute.sym_int(divisibility=64)
