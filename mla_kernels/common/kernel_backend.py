@@ -1,0 +1,200 @@
+"""The host side shared by the CuTe DSL backends (sm90, sm100).
+
+Both archs' kernels take the same arguments in the same order per op, so everything around a
+launch is written once here: which problems a kernel serves, the fake tensors a compile traces
+with (the argument contract), output allocation and the launch, the multi-head-group combine of
+attn_dist, and (through :mod:`.bwd_host`) the backward's host pieces.  A backend subclass names
+its compile functions, its device check and its compile-cache keys.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _compile
+from . import host
+from .backend import Backend
+from .problem import Problem
+
+D_V = 512
+OPS_SERVED = ("fwd", "attn_dist", "bwd")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels' argument contract, as fake tensors for compile-only tracing (dynamic extents are
+# ``cute.sym_int``: a new s_q / s_kv / topk never recompiles).
+# ---------------------------------------------------------------------------------------------
+
+
+def fwd_fake_args(d_qk: int, h_q: int):
+    """``(q, kv, indices, topk_length, attn_sink, out, max_logits, lse, scale_log2, stream)``."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    s_q, s_q2, s_q3, s_q4, s_q5, s_kv = (cute.sym_int() for _ in range(6))
+    topk = cute.sym_int(divisibility=64)
+    n_tl, n_sink = cute.sym_int(), cute.sym_int()
+    return (
+        host.fake(BFloat16, (s_q, h_q, d_qk)),
+        host.fake(BFloat16, (s_kv, d_qk)),
+        host.fake(Int32, (s_q2, topk)),
+        host.fake(Int32, (n_tl,), align=4),
+        host.fake(Float32, (n_sink,), align=4),
+        host.fake(BFloat16, (s_q3, h_q, D_V)),
+        host.fake(Float32, (s_q4, h_q), align=4),
+        host.fake(Float32, (s_q5, h_q), align=4),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+
+
+def attn_dist_fake_args(d_qk: int, h_q: int, topk_block: int):
+    """``(q, kv, indices, topk_length, lse, out[n_groups, s_q, topk], scale_log2, stream)``."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    s_q, s_q2, s_q3, s_q4, s_kv, n_tl, n_grp = (cute.sym_int() for _ in range(7))
+    topk = cute.sym_int(divisibility=topk_block)
+    topk2 = cute.sym_int(divisibility=topk_block)
+    return (
+        host.fake(BFloat16, (s_q, h_q, d_qk)),
+        host.fake(BFloat16, (s_kv, d_qk)),
+        host.fake(Int32, (s_q2, topk)),
+        host.fake(Int32, (n_tl,), align=4),
+        host.fake(Float32, (s_q3, h_q), align=4),
+        host.fake(Float32, (n_grp, s_q4, topk2), align=4),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+
+
+def bwd_fake_args(d_qk: int, h_q: int):
+    """The backward's arguments -- see ``common.bwd_host.run_bwd`` for what each one holds."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    sq = [cute.sym_int() for _ in range(10)]
+    s_kv, n_ws, n_tl, n_grp = (cute.sym_int() for _ in range(4))
+    topk = cute.sym_int(divisibility=64)
+    topk2 = cute.sym_int(divisibility=64)
+    return (
+        host.fake(BFloat16, (sq[0], h_q, d_qk)),  # q
+        host.fake(BFloat16, (s_kv, d_qk)),  # kv
+        host.fake(BFloat16, (sq[1], h_q, D_V)),  # dout
+        host.fake(BFloat16, (sq[2], h_q, D_V)),  # out
+        host.fake(Int32, (sq[3], topk)),  # indices
+        host.fake(Int32, (n_tl,), align=4),  # topk_length
+        host.fake(Float32, (sq[4], h_q), align=4),  # lse2
+        host.fake(Float32, (sq[5], h_q), align=4),  # delta correction
+        host.fake(Float32, (sq[6], h_q), align=4),  # delta out
+        host.fake(Float32, (sq[7], h_q), align=4),  # attn_sum scale
+        host.fake(BFloat16, (sq[8], h_q, d_qk)),  # dq
+        host.fake(Float32, (n_ws, d_qk)),  # dkv workspace
+        host.fake(Float32, (sq[9], n_grp, topk2), align=4),  # attn_sum partials
+        Float32(1.0),
+        Float32(1.0),
+        host.fake_stream(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend
+# ---------------------------------------------------------------------------------------------
+
+
+class CuteKernelBackend(Backend):
+    """A backend of CuTe DSL kernels.  Subclasses provide ``device_reason``, ``fwd_kernel``,
+    ``attn_dist_kernel``, ``attn_dist_heads_per_cta`` and ``compile_bwd``/``bwd_name``."""
+
+    _dsl_error: Optional[str] = None
+    _dsl_checked = False
+
+    # -- what a subclass provides ---------------------------------------------------------------
+    def device_reason(self, major: int, minor: int) -> Optional[str]:
+        """None if a device of this compute capability runs this backend's kernels."""
+        raise NotImplementedError
+
+    def fwd_kernel(self, p: Problem):
+        """The compiled forward for ``p``'s static configuration (through the compile cache)."""
+        raise NotImplementedError
+
+    def attn_dist_heads_per_cta(self, h_q: int) -> int:
+        raise NotImplementedError
+
+    def attn_dist_kernel(self, p: Problem, fused_normalize: bool):
+        raise NotImplementedError
+
+    compile_bwd = None  # the backward's compile function (same arguments on every arch)
+    bwd_name = ""  # its compile-cache key
+
+    # -- shared ---------------------------------------------------------------------------------
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        if device.type != "cuda":
+            return "not a CUDA device"
+        why = self.device_reason(*torch.cuda.get_device_capability(device))
+        if why:
+            return why
+        if not CuteKernelBackend._dsl_checked:
+            try:
+                import cutlass.cute  # noqa: F401  (importability check)
+            except Exception as e:  # pragma: no cover - depends on the installation
+                CuteKernelBackend._dsl_error = f"CuTe DSL (nvidia-cutlass-dsl) not importable: {e}"
+            CuteKernelBackend._dsl_checked = True
+        return CuteKernelBackend._dsl_error
+
+    def supports(self, op: str, p: Problem) -> Optional[str]:
+        if op not in OPS_SERVED:
+            return f"no {self.name} {op} kernel"
+        if p.dtype != torch.bfloat16:
+            return f"dtype {p.dtype} (kernels take bfloat16)"
+        if p.d_qk not in (512, 576):
+            return f"d_qk={p.d_qk} (kernels take 512 or 576)"
+        if op in ("fwd", "bwd") and p.d_v != D_V:
+            return f"d_v={p.d_v} (kernels take {D_V})"
+        if p.h_q % 64:
+            return f"h_q={p.h_q} (kernels take a multiple of 64)"
+        if not p.sm_scale > 0:
+            return f"sm_scale={p.sm_scale} (kernels fold a positive scale into exp2)"
+        if p.s_kv >= 2**31:
+            return f"s_kv={p.s_kv} does not fit int32 indices"
+        return None
+
+    def fwd(self, p: Problem):
+        fn = self.fwd_kernel(p)
+        out = host.alloc((p.s_q, p.h_q, p.d_v), torch.bfloat16, p.device)
+        max_logits = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
+        lse = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
+        tl = p.topk_length if p.topk_length is not None else host.dummy(torch.int32, p.device)
+        sink = p.attn_sink if p.attn_sink is not None else host.dummy(torch.float32, p.device)
+        fn(p.q, p.kv, p.indices, tl, sink, out, max_logits, lse, p.sm_scale * math.log2(math.e))
+        return out, max_logits, lse
+
+    def attn_dist(self, p: Problem, lse: torch.Tensor, normalize: bool):
+        n_groups = p.h_q // self.attn_dist_heads_per_cta(p.h_q)
+        fused = normalize and n_groups == 1  # one CTA covers all heads of a token
+        fn = self.attn_dist_kernel(p, fused)
+        out = host.alloc((n_groups, p.s_q, p.topk), torch.float32, p.device)
+        tl = p.topk_length if p.topk_length is not None else host.dummy(torch.int32, p.device)
+        fn(p.q, p.kv, p.indices, tl, lse.float().contiguous(), out, p.sm_scale * math.log2(math.e))
+        if n_groups == 1:
+            return out[0]
+        res = out.sum(dim=0)  # several head groups per token: combine on the host side
+        if normalize:
+            tot = res.sum(dim=-1, keepdim=True)
+            res = torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), res)
+        return res
+
+    def bwd(self, p: Problem, out, dout, lse, *, dlse=None, deterministic=False, return_attn_sum=False):
+        from . import bwd_host
+
+        return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
+                                compile_bwd=type(self).compile_bwd, name=self.bwd_name)
+
+
+def cached(key: tuple, build):
+    """The compiled function for ``key`` (compiled once per process by ``build()``)."""
+    _, fn = _compile.cached_compile(key, build)
+    return fn
