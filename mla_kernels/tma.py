@@ -198,3 +198,17 @@ def tile_store_atom(gmem_tensor, smem_layout, tile):
     from cutlass.cute.nvgpu import cpasync
 
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), gmem_tensor, smem_layout, tile)
+
+
+def token_tile_partition(atom, tma_tensor, s_idx, tile, coord, s_tile):
+    """``(smem side, gmem side)`` of one TMA copy of a per-token tile: ``tma_tensor`` is the
+    ``(rows, cols, s_q)`` coordinate tensor of a tile atom, ``coord`` the (row block, column
+    block) of ``tile`` within token ``s_idx``, ``s_tile`` the smem tile.  Device code (inside a
+    kernel); the copy itself (``cute.copy``) elects its own lane."""
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync
+
+    g_tile = cute.local_tile(tma_tensor[None, None, s_idx], tile, coord)
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2)
+    )

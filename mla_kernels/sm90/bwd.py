@@ -262,14 +262,8 @@ class SparseMlaBwdSm90:
 
         if warp_idx == 0:
             # The TMA copies elect their own issuing lane: they must not sit inside elect_one.
-            gQ = cute.local_tile(tma_q[None, None, s_idx], (B_H, self.d_qk), (h_blk, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            gDO = cute.local_tile(tma_do[None, None, s_idx], (B_H, self.d_v), (h_blk, 0))
-            tDsDO, tDgDO = cpasync.tma_partition(
-                tma_atom_do, 0, cute.make_layout(1), cute.group_modes(sDO, 0, 2), cute.group_modes(gDO, 0, 2)
-            )
+            tQsQ, tQgQ = tma.token_tile_partition(tma_atom_q, tma_q, s_idx, (B_H, self.d_qk), (h_blk, 0), sQ)
+            tDsDO, tDgDO = tma.token_tile_partition(tma_atom_do, tma_do, s_idx, (B_H, self.d_v), (h_blk, 0), sDO)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar_in, B_H * (self.d_qk + self.d_v) * 2)
             cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_in)
@@ -539,10 +533,7 @@ class SparseMlaBwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)
         if warp_idx == 0:
-            gDQ = cute.local_tile(tma_dq[None, None, s_idx], (B_H, self.d_qk), (h_blk, 0))
-            tDQsDQ, tDQgDQ = cpasync.tma_partition(
-                tma_atom_dq, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gDQ, 0, 2)
-            )
+            tDQsDQ, tDQgDQ = tma.token_tile_partition(tma_atom_dq, tma_dq, s_idx, (B_H, self.d_qk), (h_blk, 0), sQ)
             cute.copy(tma_atom_dq, tDQsDQ, tDQgDQ)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -213,10 +213,7 @@ class SparseMlaFwdSm90:
 
         if warp_idx == 0:
             # The TMA copy elects its own issuing lane: it must not sit inside elect_one.
-            gQ = cute.local_tile(tma_q[None, None, s_idx], (B_H, self.d_qk), (h_blk, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
+            tQsQ, tQgQ = tma.token_tile_partition(tma_atom_q, tma_q, s_idx, (B_H, self.d_qk), (h_blk, 0), sQ)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar_q, B_H * self.d_qk * 2)
             cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_q)
@@ -533,10 +530,7 @@ class SparseMlaFwdSm90:
         cute.arch.barrier(barrier_id=BAR_EPI_WG0 + wg, number_of_threads=128)
         if warp_in_wg == 0:
             # Whole warp: the TMA store elects its lane; commit/wait are per thread.
-            gO = cute.local_tile(tma_o[None, None, s_idx], (B_H, self.d_v // 2), (h_blk, wg))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
+            tOsO, tOgO = tma.token_tile_partition(tma_atom_o, tma_o, s_idx, (B_H, self.d_v // 2), (h_blk, wg), sO)
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
 
