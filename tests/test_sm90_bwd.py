@@ -140,7 +140,7 @@ def test_bwd_deterministic_bitwise(h_q, d_qk, monkeypatch):
 
 def test_bwd_deterministic_in_waves(monkeypatch):
     # A tiny wave budget forces many waves: the fixed-order reduction must add across them.
-    from mla_kernels.sm90 import bwd_host
+    from mla_kernels.common import bwd_host
 
     monkeypatch.setattr(bwd_host, "DET_WORKSPACE_BYTES", 7 * 2 * 256 * 576 * 4)
     case = make_case(50, 128, 576, 100, 256, device="cuda", dup_frac=0.2)

@@ -10,7 +10,8 @@ import torch
 
 from mla_kernels import reference as ref
 from mla_kernels.api import make_problem
-from mla_kernels.sm90 import BACKEND, bwd_host
+from mla_kernels.common import bwd_host
+from mla_kernels.sm90 import BACKEND
 
 from conftest import make_case
 

@@ -92,8 +92,8 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
     asum_parts = host.alloc((p.s_q, n_hblk, p.topk), torch.float32, dev) if return_attn_sum else None
     tl = p.topk_length
     scale_log2 = p.sm_scale * LOG2E
-    row_dummy = torch.ones(1, p.h_q, dtype=torch.float32, device=dev)
-    dummy_asum = torch.zeros(1, 1, 64, dtype=torch.float32, device=dev)
+    row_dummy = host.dummy(torch.float32, dev, (1, p.h_q))  # never read by the variants that get it
+    dummy_asum = host.dummy(torch.float32, dev, (1, 1, 64))
     dkv_acc = torch.zeros(p.s_kv, p.d_qk, dtype=torch.float32, device=dev)
 
     def launch(c0: int, c1: int, ws: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ from typing import Dict, Tuple
 
 import torch
 
-_dummies: Dict[Tuple[torch.dtype, str], torch.Tensor] = {}
+_dummies: Dict[tuple, torch.Tensor] = {}
 
 
 def fake(dtype, shape, align: int = 16):
@@ -25,12 +25,13 @@ def fake_stream():
     return make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def dummy(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-element placeholder for an optional input a kernel variant never reads."""
-    key = (dtype, str(device))
+def dummy(dtype: torch.dtype, device: torch.device, shape: Tuple[int, ...] = (4,)) -> torch.Tensor:
+    """A small cached placeholder (zeros) for an optional input a kernel variant never reads;
+    ``shape`` matches the rank (and static extents) the kernel was compiled for."""
+    key = (dtype, str(device), tuple(shape))
     t = _dummies.get(key)
     if t is None:
-        t = torch.zeros(4, dtype=dtype, device=device)
+        t = torch.zeros(shape, dtype=dtype, device=device)
         _dummies[key] = t
     return t
 
