@@ -23,7 +23,7 @@ import torch
 
 from mla_kernels.common.problem import Problem
 
-from conftest import make_case, rel_l2, skip_unless_sm100
+from conftest import make_case, run_bwd_and_check, skip_unless_sm100
 
 SMEM_LIMIT = 232448
 
@@ -323,58 +323,8 @@ def test_sm103a_bwd_sass():
 needs_sm100 = skip_unless_sm100()
 
 
-def fwd_ref(case):
-    from mla_kernels import reference as ref
-
-    out, _, lse = ref.sparse_mla_fwd_ref(case.q.float(), case.kv.float(), case.indices, case.sm_scale,
-                                         case.d_v, case.topk_length, case.attn_sink)
-    return out.to(case.q.dtype), lse.float()
-
-
-def run_and_check(case, monkeypatch, *, deterministic=False, attn_sum=False, dout_scale=0.1, seed=0, dq_abs=None):
-    import mla_kernels as mk
-    from mla_kernels import reference as ref
-
-    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm100")  # no silent fallback: a miss raises
-    out, lse = fwd_ref(case)
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dout = (torch.randn(out.shape, generator=g) * dout_scale).to(out.device, out.dtype)
-    got = mk.sparse_mla_bwd(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale, case.d_v,
-                            case.topk_length, case.attn_sink, deterministic=deterministic,
-                            return_attn_sum=attn_sum)
-    torch.cuda.synchronize()
-    want = ref.sparse_mla_bwd_ref(case.q.float(), case.kv.float(), out.float(), dout.float(), case.indices,
-                                  lse, case.sm_scale, case.d_v, case.topk_length, case.attn_sink,
-                                  return_attn_sum=attn_sum)
-    dq, dkv, dsink = got[:3]
-    assert dq.dtype == torch.bfloat16 and dkv.dtype == torch.bfloat16 and dkv.shape == case.kv.shape
-    for name, t in (("dq", dq), ("dkv", dkv)):
-        assert not torch.isnan(t).any(), f"NaN in {name}"
-    if dq_abs is None:
-        assert rel_l2(dq.float(), want[0]) <= 1e-2, f"dq rel L2 {rel_l2(dq.float(), want[0]):.3g}"
-    else:
-        assert (dq.float() - want[0]).abs().max() <= dq_abs
-    assert rel_l2(dkv.float(), want[1]) <= 1e-2, f"dkv rel L2 {rel_l2(dkv.float(), want[1]):.3g}"
-    s_kv = case.kv.shape[0]
-    valid = ref.valid_mask(case.indices, s_kv, case.topk_length)
-    empty = ~valid.any(dim=-1)
-    if empty.any():
-        assert (dq[empty] == 0).all(), "empty rows must give dq == 0"
-    used = torch.zeros(s_kv, dtype=torch.bool, device=dkv.device)
-    used[case.indices.reshape(valid.shape)[valid].long()] = True
-    if (~used).any():
-        assert (dkv.reshape(s_kv, -1)[~used] == 0).all(), "unreferenced kv rows must get dkv == 0"
-    if case.attn_sink is None:
-        assert dsink is None
-    else:
-        err = (dsink.double() - want[2].double()).abs().max() / want[2].double().abs().max().clamp_min(1e-30)
-        assert err <= 1e-3, f"d_attn_sink rel err {err.item():.3g}"
-    if attn_sum:
-        a = got[3]
-        assert a.shape == want[3].shape and not torch.isnan(a).any()
-        assert rel_l2(a, want[3]) <= 1e-3, f"attn_sum rel L2 {rel_l2(a, want[3]):.3g}"
-        assert (a[~valid] == 0).all(), "invalid slots must give attn_sum == 0"
-    return got
+def run_and_check(case, monkeypatch, **kw):
+    return run_bwd_and_check(case, monkeypatch, "sm100", **kw)
 
 
 SHAPES = [(1, 128, 128), (62, 592, 128), (213, 1840, 256), (62, 1521, 512), (213, 95, 128)]
