@@ -380,3 +380,25 @@ def transpose_lanes(vec: cute.Tensor, r8: Int32, n: int) -> None:
                     vec[4 * g + e] = Float32(cutlass.select_(upper, recv, vec[4 * g + e]))
                     vec[4 * h + e] = Float32(cutlass.select_(upper, vec[4 * h + e], recv))
         bit *= 2
+
+
+@cute.jit
+def rowsum_o_do_half(mO: cute.Tensor, mDO: cute.Tensor, s_idx: Int32, head: Int32, half: Int32,
+                     d_v: cutlass.Constexpr, unroll: cutlass.Constexpr) -> Float32:
+    """``sum_d O[s_idx, head, d] * dO[s_idx, head, d]`` in float32 by a pair of lanes (``lane ^ 1``):
+    this lane sums columns ``half * d_v/2 ..`` (16-byte loads), one shuffle adds the other half.
+    Row offsets are 64-bit (``s_q * h_q * d_v`` can pass 2^31); ``unroll`` bounds the loads in
+    flight (a fully unrolled loop hoists all of them and can spill)."""
+    row_off = (Int64(s_idx) * Int64(mO.shape[1]) + Int64(head)) * Int64(d_v)
+    row_layout = cute.make_layout((32, d_v // 32), stride=(1, 32))
+    gO = cute.make_tensor((mO.iterator + row_off).align(16), row_layout)
+    gDO = cute.make_tensor((mDO.iterator + row_off).align(16), row_layout)
+    rO = cute.make_rmem_tensor((32,), cutlass.BFloat16)
+    rDO = cute.make_rmem_tensor((32,), cutlass.BFloat16)
+    acc = Float32(0.0)
+    for c in cutlass.range(d_v // 64, unroll=unroll):
+        cute.autovec_copy(gO[None, half * (d_v // 64) + c], rO)
+        cute.autovec_copy(gDO[None, half * (d_v // 64) + c], rDO)
+        prod = rO.load().to(Float32) * rDO.load().to(Float32)
+        acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+    return acc + cute.arch.shuffle_sync_bfly(acc, offset=1)

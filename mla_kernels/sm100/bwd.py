@@ -197,6 +197,9 @@ def transpose_quad(vals: cute.Tensor, base: int, q: Int32) -> None:
 class SparseMlaBwdSm100:
     """Static configuration + host launcher + device kernel of the sm100 sparse backward."""
 
+    #: Chunks of the delta prologue's loads in flight (``common.device.rowsum_o_do_half``).
+    delta_unroll = 2
+
     def __init__(
         self,
         d_qk: int,
@@ -754,19 +757,7 @@ class SparseMlaBwdSm100:
         row = dtid // 2
         half = dtid % 2
         head = head0 + row
-        row_off = (Int64(s_idx) * Int64(mO.shape[1]) + Int64(head)) * Int64(self.d_v)
-        row_layout = cute.make_layout((32, self.d_v // 32), stride=(1, 32))
-        gO = cute.make_tensor((mO.iterator + row_off).align(16), row_layout)
-        gDO = cute.make_tensor((mDO.iterator + row_off).align(16), row_layout)
-        rO = cute.make_rmem_tensor((32,), BFloat16)
-        rDO = cute.make_rmem_tensor((32,), BFloat16)
-        acc = Float32(0.0)
-        for c in cutlass.range(self.d_v // 64, unroll=2):
-            cute.autovec_copy(gO[None, half * (self.d_v // 64) + c], rO)
-            cute.autovec_copy(gDO[None, half * (self.d_v // 64) + c], rDO)
-            prod = rO.load().to(Float32) * rDO.load().to(Float32)
-            acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        acc = dev.rowsum_o_do_half(mO, mDO, s_idx, head, half, self.d_v, self.delta_unroll)
         if half == 0:
             mDeltaOut[s_idx, head] = acc
             corr = Float32(0.0)

@@ -274,6 +274,8 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
     """2-CTA (cta_group::2) sm100 sparse backward, 128 heads per cluster.  Reuses the 1-CTA
     kernel's ``_delta_rows``."""
 
+    delta_unroll = 1  # a rolled delta loop: this kernel's 128-register budget is tighter
+
     def __init__(self, d_qk: int, d_v: int = 512, has_topk_length: bool = False, has_dlse: bool = False,
                  attn_sum: bool = False, attn_sum_scaled: bool = False, deterministic: bool = False):
         if attn_sum or attn_sum_scaled:
@@ -703,37 +705,10 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                         w.append(pack_bf16x2(lo, hi))
                     st_global_v4_u32(dq_row + Int64((dim0 + S_COLS + 8 * v) * 2), w[0], w[1], w[2], w[3])
 
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def _delta_rows2(self, mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid):
-        """As ``SparseMlaBwdSm100._delta_rows`` with a rolled loop (register pressure)."""
-        row = dtid // 2
-        half = dtid % 2
-        head = head0 + row
-        row_off = (Int64(s_idx) * Int64(mO.shape[1]) + Int64(head)) * Int64(self.d_v)
-        row_layout = cute.make_layout((32, self.d_v // 32), stride=(1, 32))
-        gO = cute.make_tensor((mO.iterator + row_off).align(16), row_layout)
-        gDO = cute.make_tensor((mDO.iterator + row_off).align(16), row_layout)
-        rO = cute.make_rmem_tensor((32,), BFloat16)
-        rDO = cute.make_rmem_tensor((32,), BFloat16)
-        acc = Float32(0.0)
-        for c in cutlass.range(self.d_v // 64, unroll=1):
-            cute.autovec_copy(gO[None, half * (self.d_v // 64) + c], rO)
-            cute.autovec_copy(gDO[None, half * (self.d_v // 64) + c], rDO)
-            prod = rO.load().to(Float32) * rDO.load().to(Float32)
-            acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
-        if half == 0:
-            mDeltaOut[s_idx, head] = acc
-            corr = Float32(0.0)
-            if const_expr(self.has_dlse):
-                corr = mDeltaCorr[s_idx, head]
-            sNegDelta[row] = -(acc - corr) * sm_scale
-
     @cute.jit
     def drain2(self, mKV, mIdx, mDO, mO, mDeltaCorr, mDeltaOut, mWs, sm_scale, s_idx, h_blk, head0, n_hblk, rank,
                topk, topk_len, num_blocks, sNegDelta, tmem_holding, mbar, dtid, warp_idx):
-        self._delta_rows2(mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid)
+        self._delta_rows(mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid)
         cute.arch.barrier(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
 
         dev.tcgen05_fence_after_thread_sync()

@@ -589,23 +589,7 @@ class SparseMlaBwdSm90:
         row = idx_in_wg // 2
         head = h_blk * B_H + row
         half = idx_in_wg % 2
-        # 64-bit row offsets: s_q * h_q * d_v can exceed 2^31 elements
-        row_off = (Int64(s_idx) * Int64(mO.shape[1]) + Int64(head)) * Int64(self.d_v)
-        row_layout = cute.make_layout((32, self.d_v // 32), stride=(1, 32))
-        gO = cute.make_tensor((mO.iterator + row_off).align(16), row_layout)
-        gDO = cute.make_tensor((mDO.iterator + row_off).align(16), row_layout)
-        rO = cute.make_rmem_tensor((32,), BFloat16)
-        rDO = cute.make_rmem_tensor((32,), BFloat16)
-        acc = Float32(0.0)
-        # a rolled loop (2 chunks in flight): fully unrolled, the 64 loads in flight spill
-        for c in cutlass.range(self.d_v // 64, unroll=2):
-            cute.autovec_copy(gO[None, half * (self.d_v // 64) + c], rO)
-            cute.autovec_copy(gDO[None, half * (self.d_v // 64) + c], rDO)
-            fo = rO.load().to(Float32)
-            fd = rDO.load().to(Float32)
-            prod = fo * fd
-            acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        acc = dev.rowsum_o_do_half(mO, mDO, s_idx, head, half, self.d_v, 2)
         if half == 0:
             mDeltaOut[s_idx, head] = acc
             corr = Float32(0.0)
