@@ -28,8 +28,6 @@ and read once.
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 
 from .. import _compile

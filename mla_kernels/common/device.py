@@ -161,6 +161,58 @@ def st_global_v4_f32(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d: Fl
     )
 
 
+@dsl_user_op
+def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two floats rounded to bf16 in one 32-bit word (``lo`` in the low half), round to nearest."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _store(ptx: str, constraint: str, operands, loc, ip) -> None:
+    llvm.inline_asm(None, operands, ptx, constraint, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def st_shared_v4_b32(smem_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
+    """A 16-byte shared-memory store of four 32-bit words (32-bit shared address)."""
+    _store("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+           [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+           loc, ip)
+
+
+@dsl_user_op
+def st_global_b32(gmem_addr: Int64, value: Uint32, *, loc=None, ip=None) -> None:
+    """A 4-byte global store at a 64-bit address."""
+    _store("st.global.b32 [$0], $1;", "l,r",
+           [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
+def st_global_v2_b32(gmem_addr: Int64, a: Uint32, b: Uint32, *, loc=None, ip=None) -> None:
+    """An 8-byte global store of two 32-bit words at a 64-bit address."""
+    _store("st.global.v2.b32 [$0], {$1, $2};", "l,r,r",
+           [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b)],
+           loc, ip)
+
+
+@dsl_user_op
+def st_global_v4_b32(gmem_addr: Int64, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
+    """A 16-byte global store of four 32-bit words at a 64-bit address."""
+    _store("st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+           [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+           loc, ip)
+
+
 def smem_addr_u32(ptr) -> Int32:
     """The 32-bit shared-memory address of an smem pointer."""
     return Int32(ptr.toint())

@@ -57,10 +57,8 @@ from typing import List, Tuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.pipeline import PipelineUserType, make_pipeline_state
 
 from ..common import device as dev
@@ -133,48 +131,6 @@ def bwd_plan(d_qk: int, d_v: int = 512) -> BwdPlan:
 # ---------------------------------------------------------------------------------------------
 # Small inline-PTX helpers (used by this kernel only)
 # ---------------------------------------------------------------------------------------------
-
-
-@dsl_user_op
-def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """Two floats -> one 32-bit word of two bf16 (``lo`` in the low half), round to nearest."""
-    return Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def st_shared_v4_b32(addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
-        "r,r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def st_global_v2_b32(addr: Int64, a: Uint32, b: Uint32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip), Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-        "st.global.v2.b32 [$0], {$1, $2};",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 def transpose_quad(vals: cute.Tensor, base: int, q: Int32) -> None:
@@ -622,10 +578,10 @@ class SparseMlaBwdSm100:
                     rS[j] = p
                     rDP[j] = p * (rDP[j] * sm_scale + sNegDelta[h])
                 chunk = (hh0 // 8 + k) ^ (row % 8)
-                w = [pack_bf16x2(rS[8 * k + 2 * i], rS[8 * k + 2 * i + 1]) for i in range(4)]
-                st_shared_v4_b32(row_addr_p + chunk * 16, w[0], w[1], w[2], w[3])
-                w = [pack_bf16x2(rDP[8 * k + 2 * i], rDP[8 * k + 2 * i + 1]) for i in range(4)]
-                st_shared_v4_b32(row_addr_ds + chunk * 16, w[0], w[1], w[2], w[3])
+                w = [dev.pack_bf16x2(rS[8 * k + 2 * i], rS[8 * k + 2 * i + 1]) for i in range(4)]
+                dev.st_shared_v4_b32(row_addr_p + chunk * 16, w[0], w[1], w[2], w[3])
+                w = [dev.pack_bf16x2(rDP[8 * k + 2 * i], rDP[8 * k + 2 * i + 1]) for i in range(4)]
+                dev.st_shared_v4_b32(row_addr_ds + chunk * 16, w[0], w[1], w[2], w[3])
             if const_expr(self.attn_sum):
                 asum = asum + cute.arch.shuffle_sync_bfly(asum, offset=16)
                 if lane < 16:
@@ -665,8 +621,8 @@ class SparseMlaBwdSm100:
                 for g in cutlass.range_constexpr(B_H // 4):
                     h = 4 * g + q
                     addr = dq_base + Int64(h * self.d_qk * 2) + Int64(dim0 * 2)
-                    st_global_v2_b32(addr, pack_bf16x2(rDQ[4 * g], rDQ[4 * g + 1]),
-                                     pack_bf16x2(rDQ[4 * g + 2], rDQ[4 * g + 3]))
+                    dev.st_global_v2_b32(addr, dev.pack_bf16x2(rDQ[4 * g], rDQ[4 * g + 1]),
+                                     dev.pack_bf16x2(rDQ[4 * g + 2], rDQ[4 * g + 3]))
         # every TMEM read of the math and drain warps is complete before warp 0 frees TMEM
         dev.tcgen05_fence_before_thread_sync()
         cute.arch.barrier(barrier_id=BAR_END, number_of_threads=2 * WG_THREADS)

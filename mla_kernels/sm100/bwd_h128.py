@@ -103,8 +103,8 @@ from cutlass.pipeline import PipelineUserType, make_pipeline_state
 from ..common import device as dev
 from ..common.gather import KvGather, copy_dense_rows
 from .bwd import (D_CHUNK, K_TILE, MMA_K, SMEM_HEADER_BYTES, SMEM_LIMIT, TMEM_COLUMNS, SparseMlaBwdSm100,
-                  pack_bf16x2, st_shared_v4_b32, transpose_quad)
-from .fwd_h128 import arrive_cta0, st_global_v4_u32
+                  transpose_quad)
+from .fwd_h128 import arrive_cta0
 
 B_H = 128  # heads per cluster (M of S / dP / dQ)
 B_H_CTA = 64
@@ -659,10 +659,10 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                     rS[j] = p
                     rDP[j] = p * (rDP[j] * sm_scale + negd)
                 chunk = (4 * chalf + q) ^ (row % 8)
-                w = [pack_bf16x2(rS[8 * q + 2 * e], rS[8 * q + 2 * e + 1]) for e in range(4)]
-                st_shared_v4_b32(sP_addr + row * 128 + chunk * 16, w[0], w[1], w[2], w[3])
-                w = [pack_bf16x2(rDP[8 * q + 2 * e], rDP[8 * q + 2 * e + 1]) for e in range(4)]
-                st_shared_v4_b32(sDS_addr + row * 128 + chunk * 16, w[0], w[1], w[2], w[3])
+                w = [dev.pack_bf16x2(rS[8 * q + 2 * e], rS[8 * q + 2 * e + 1]) for e in range(4)]
+                dev.st_shared_v4_b32(sP_addr + row * 128 + chunk * 16, w[0], w[1], w[2], w[3])
+                w = [dev.pack_bf16x2(rDP[8 * q + 2 * e], rDP[8 * q + 2 * e + 1]) for e in range(4)]
+                dev.st_shared_v4_b32(sDS_addr + row * 128 + chunk * 16, w[0], w[1], w[2], w[3])
             cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> MMA reads
             arrive_cta0(mbar + MB_PDS_FULL)
 
@@ -689,8 +689,8 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                         i = 8 * v + 2 * e
                         lo = Float32(cutlass.select_(has_rows, rDQ[i], Float32(0.0)))
                         hi = Float32(cutlass.select_(has_rows, rDQ[i + 1], Float32(0.0)))
-                        w.append(pack_bf16x2(lo, hi))
-                    st_global_v4_u32(dq_row + Int64((dim0 + 8 * v) * 2), w[0], w[1], w[2], w[3])
+                        w.append(dev.pack_bf16x2(lo, hi))
+                    dev.st_global_v4_b32(dq_row + Int64((dim0 + 8 * v) * 2), w[0], w[1], w[2], w[3])
             # the second 32 columns of this thread's 64
             tDQ2 = cute.make_tensor(tmem_ptr + self.plan2.dq_cols[j] + S_COLS, dq_layout)
             cute.copy(t2r_dq, t2r_dq.partition_S(tDQ2), rDQ)
@@ -702,8 +702,8 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                         i = 8 * v + 2 * e
                         lo = Float32(cutlass.select_(has_rows, rDQ[i], Float32(0.0)))
                         hi = Float32(cutlass.select_(has_rows, rDQ[i + 1], Float32(0.0)))
-                        w.append(pack_bf16x2(lo, hi))
-                    st_global_v4_u32(dq_row + Int64((dim0 + S_COLS + 8 * v) * 2), w[0], w[1], w[2], w[3])
+                        w.append(dev.pack_bf16x2(lo, hi))
+                    dev.st_global_v4_b32(dq_row + Int64((dim0 + S_COLS + 8 * v) * 2), w[0], w[1], w[2], w[3])
 
     @cute.jit
     def drain2(self, mKV, mIdx, mDO, mO, mDeltaCorr, mDeltaOut, mWs, sm_scale, s_idx, h_blk, head0, n_hblk, rank,

@@ -46,9 +46,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..common import device as dev
 from ..common.gather import KvGather, copy_dense_rows
@@ -126,36 +124,6 @@ def fwd_plan(d_qk: int) -> FwdPlan:
     if smem > SMEM_LIMIT:
         raise ValueError(f"smem {smem} > {SMEM_LIMIT}")
     return FwdPlan(d_qk, d_qk // K_TILE, q_bytes, kv_stage_bytes, p_bytes, smem, TMEM_ALLOC)
-
-
-@dsl_user_op
-def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """Two floats rounded to bf16 in one 32-bit word (``lo`` in the low half: the lower column)."""
-    return Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def st_global_u32(gmem_addr: Int64, value: Uint32, *, loc=None, ip=None) -> None:
-    """A 4-byte global store at a 64-bit address."""
-    llvm.inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.b32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 def p_word_offset(row: Int32, g: int, quad: Int32) -> Int32:
@@ -525,7 +493,7 @@ class SparseMlaFwdSm100:
             # P -> bf16 -> smem (K-major SW128), visible to the async proxy before the arrive.
             for g in cutlass.range_constexpr(B_TOPK // 8):
                 for r in cutlass.range_constexpr(2):
-                    sP32[p_word_offset(rows[r], g, quad)] = pack_bf16x2(
+                    sP32[p_word_offset(rows[r], g, quad)] = dev.pack_bf16x2(
                         rS[dev.acc_flat(0, r, g)], rS[dev.acc_flat(1, r, g)]
                     )
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -593,7 +561,7 @@ class SparseMlaFwdSm100:
                     # select, not multiply: with no block at all O was never written (garbage).
                     lo = Float32(cutlass.select_(l_row[r] > 0.0, rO[dev.acc_flat(0, r, g)] * inv[r], Float32(0.0)))
                     hi = Float32(cutlass.select_(l_row[r] > 0.0, rO[dev.acc_flat(1, r, g)] * inv[r], Float32(0.0)))
-                    st_global_u32(o_row[r] + (c * O_CHUNK + 8 * g) * 2, pack_bf16x2(lo, hi))
+                    dev.st_global_b32(o_row[r] + (c * O_CHUNK + 8 * g) * 2, dev.pack_bf16x2(lo, hi))
 
         if quad == 0:
             for r in cutlass.range_constexpr(2):

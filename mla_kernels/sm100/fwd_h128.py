@@ -40,14 +40,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
 
 from ..common import device as dev
 from ..common.gather import KvGather, copy_dense_rows
-from .fwd import D_V, K_TILE, MMA_K, RESCALE_THRESHOLD, SMEM_HEADER_BYTES, SMEM_LIMIT, pack_bf16x2
+from .fwd import D_V, K_TILE, MMA_K, RESCALE_THRESHOLD, SMEM_HEADER_BYTES, SMEM_LIMIT
 
 B_H = 128  # heads per cluster = MMA M
 B_H_CTA = 64  # heads per CTA
@@ -116,32 +114,6 @@ def fwd_h128_plan(d_qk: int) -> FwdH128Plan:
     if smem > SMEM_LIMIT:
         raise ValueError(f"smem {smem} > {SMEM_LIMIT}")
     return FwdH128Plan(d_qk, d_qk // K_TILE, q_bytes, k_stage, v_stage, p_bytes, smem)
-
-
-@dsl_user_op
-def st_shared_v4_u32(smem_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
-        "r,r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def st_global_v4_u32(gmem_addr: Int64, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-        "l,r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 def arrive_cta0(ptr) -> None:
@@ -484,8 +456,8 @@ class SparseMlaFwdSm100H128:
             for q in cutlass.range_constexpr(S_COLS // 8):
                 chunk = 4 * chalf + q
                 addr = sP_addr + row * 128 + ((chunk ^ (row % 8)) * 16)
-                st_shared_v4_u32(addr, pack_bf16x2(rS[8 * q], rS[8 * q + 1]), pack_bf16x2(rS[8 * q + 2], rS[8 * q + 3]),
-                                 pack_bf16x2(rS[8 * q + 4], rS[8 * q + 5]), pack_bf16x2(rS[8 * q + 6], rS[8 * q + 7]))
+                dev.st_shared_v4_b32(addr, dev.pack_bf16x2(rS[8 * q], rS[8 * q + 1]), dev.pack_bf16x2(rS[8 * q + 2], rS[8 * q + 3]),
+                                 dev.pack_bf16x2(rS[8 * q + 4], rS[8 * q + 5]), dev.pack_bf16x2(rS[8 * q + 6], rS[8 * q + 7]))
             cute.arch.fence_proxy("async.shared", space="cta")
             dev.tcgen05_fence_before_thread_sync()
             arrive_cta0(mbar + MB_P_FULL)
@@ -518,8 +490,8 @@ class SparseMlaFwdSm100H128:
                     i = 8 * v + 2 * e
                     lo = Float32(cutlass.select_(nonempty, rO[i] * inv, Float32(0.0)))
                     hi = Float32(cutlass.select_(nonempty, rO[i + 1] * inv, Float32(0.0)))
-                    w.append(pack_bf16x2(lo, hi))
-                st_global_v4_u32(o_row + (col0 + 8 * v) * 2, w[0], w[1], w[2], w[3])
+                    w.append(dev.pack_bf16x2(lo, hi))
+                dev.st_global_v4_b32(o_row + (col0 + 8 * v) * 2, w[0], w[1], w[2], w[3])
 
         if chalf == 0:
             mMaxLogits[s_idx, head] = Float32(cutlass.select_(nonempty, rMax[0] * dev.LN2, Float32(-math.inf)))
