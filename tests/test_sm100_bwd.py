@@ -331,11 +331,14 @@ SHAPES = [(1, 128, 128), (62, 592, 128), (213, 1840, 256), (62, 1521, 512), (213
 
 
 @pytest.mark.parametrize("s_q,s_kv,topk", SHAPES)
-@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("h_q,kernel", [(64, "auto"), (128, "auto"), (128, "1cta")])  # auto at 128 = 2-CTA
 @pytest.mark.parametrize("d_qk", [576, 512])
 @needs_sm100
 @pytest.mark.gpu
-def test_bwd_shapes(s_q, s_kv, topk, h_q, d_qk, monkeypatch):
+def test_bwd_shapes(s_q, s_kv, topk, h_q, kernel, d_qk, monkeypatch):
+    from mla_kernels.sm100 import ENV_BWD_KERNEL
+
+    monkeypatch.setenv(ENV_BWD_KERNEL, kernel)
     case = make_case(s_q, h_q, d_qk, s_kv, topk, device="cuda", invalid_frac=0.1, empty_rows=2)
     run_and_check(case, monkeypatch)
 

@@ -75,7 +75,8 @@ def kernels_for(arch):
             ("sm100_attn_dist_d576_h64_topklen_norm", lambda a, **kw: sm100_attn_dist(576, 64, True, True, a, **kw)),
             ("sm100_attn_dist_d512_h128", lambda a, **kw: sm100_attn_dist(512, 128, False, False, a, **kw)),
             ("sm100_bwd_d576_h64", lambda a, **kw: sm100_bwd(576, 64, False, arch=a, **kw)),
-            ("sm100_bwd_d576_h128_topklen_asum_sink", lambda a, **kw: sm100_bwd(576, 128, True, True, True, arch=a, **kw)),
+            ("sm100_bwd_d576_h128_1cta_topklen_asum_sink",
+             lambda a, **kw: sm100_bwd(576, 128, True, True, True, arch=a, two_cta=False, **kw)),
             ("sm100_bwd_d576_h64_det", lambda a, **kw: sm100_bwd(576, 64, False, deterministic=True, arch=a, **kw)),
             ("sm100_bwd_d512_h64", lambda a, **kw: sm100_bwd(512, 64, False, arch=a, **kw)),
             ("sm100_bwd_d576_h128_2cta", lambda a, **kw: sm100_bwd(576, 128, False, arch=a, two_cta=True, **kw)),
@@ -83,6 +84,8 @@ def kernels_for(arch):
              lambda a, **kw: sm100_bwd(576, 128, False, deterministic=True, arch=a, two_cta=True, **kw)),
             ("sm100_bwd_d512_h128_2cta_topklen_dlse",
              lambda a, **kw: sm100_bwd(512, 128, True, has_dlse=True, arch=a, two_cta=True, **kw)),
+            ("sm100_bwd_d576_h128_2cta_topklen_asum_sink",
+             lambda a, **kw: sm100_bwd(576, 128, True, True, True, arch=a, two_cta=True, **kw)),
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     return [("probe", lambda a, **kw: compile_probe(a, **kw))]

@@ -17,7 +17,8 @@ without a sink; ``+inf`` on empty rows):
 dKV: the default kernel adds every slot's row into a float32 ``[s_kv, d_qk]`` workspace with
 16-byte float atomics (fast; the order of additions, hence the last bits, varies from run to run);
 one ``.to(bfloat16)`` converts it.  ``deterministic=True`` runs the same kernel writing each
-(token, head block, slot) row to its own workspace row instead (no atomics), in waves of tokens
+(token, head block, slot) row to its own workspace row instead (head block: 64 heads, or 128 for a
+kernel whose ``ws_row_heads`` says so -- the sm100 2-CTA kernel) (no atomics), in waves of tokens
 bounded by :data:`DET_WORKSPACE_BYTES`; the rows are then summed per kv row in a fixed order
 (stable sort by kv index, then :class:`~mla_kernels.common.segment_sum.SegmentSum`: one CTA per
 kv row adding its rows in sorted order) and added to the float32 accumulator wave by wave.  Its
@@ -64,13 +65,20 @@ def d_attn_sink(p: Problem, lse_eff: torch.Tensor, delta: torch.Tensor) -> torch
 
 def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, deterministic: bool,
             has_dlse: bool):
+    """``(kernel object, compiled function)`` of one configuration (compiled once per process)."""
     arch = _compile.arch_for_device(p.device)
     has_tl = p.topk_length is not None
     key = (name, p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
-    _, fn = _compile.cached_compile(
+    return _compile.cached_compile(
         key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
     )
-    return fn
+
+
+def ws_row_blocks(kernel, h_q: int) -> int:
+    """Deterministic workspace rows per (token, slot): one per ``kernel.ws_row_heads`` heads (64
+    for the sm90 and sm100 1-CTA kernels, 128 for the sm100 2-CTA kernel, which sums its two head
+    blocks before it stores)."""
+    return h_q // getattr(kernel, "ws_row_heads", B_H)
 
 
 def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False,
@@ -83,7 +91,7 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
     n_hblk = p.h_q // B_H
     lse2, corr, asum_scale, lse_eff = row_terms(p, lse, dlse, return_attn_sum)
     scaled = asum_scale is not None
-    fn = _kernel(p, compile_bwd, name, return_attn_sum, scaled, deterministic, corr is not None)
+    kernel, fn = _kernel(p, compile_bwd, name, return_attn_sum, scaled, deterministic, corr is not None)
 
     dq = host.alloc((p.s_q, p.h_q, p.d_qk), torch.bfloat16, dev)
     delta = host.alloc((p.s_q, p.h_q), torch.float32, dev)
@@ -114,7 +122,8 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
         for c0 in range(0, p.s_q, wave):
             launch(c0, min(p.s_q, c0 + wave), dkv_acc)
     else:
-        rows_per_token = n_hblk * p.topk
+        n_rblk = ws_row_blocks(kernel, p.h_q)
+        rows_per_token = n_rblk * p.topk
         per_token = rows_per_token * p.d_qk * 4
         wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_token))
         valid = valid_mask(p.indices, p.s_kv, p.topk_length)
@@ -122,7 +131,7 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
         for c0 in range(0, p.s_q, wave):
             c1 = min(p.s_q, c0 + wave)
             launch(c0, c1, ws)
-            reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_hblk)
+            reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_rblk)
 
     dkv = dkv_acc.to(p.dtype)
     d_sink = d_attn_sink(p, lse_eff, delta) if p.attn_sink is not None else None

@@ -413,6 +413,22 @@ def warp_reduce_scatter_cols(colsum: cute.Tensor, lane: Int32) -> None:
         n = half
 
 
+def warp_reduce_scatter_32(vals: cute.Tensor, lane: Int32) -> None:
+    """Sum 32 per-lane values over the 32 lanes of a warp by a reduce-scatter (5 butterfly steps,
+    31 shuffles): afterwards lane ``l`` holds ``sum over lanes of vals[l]`` in ``vals[0]`` (the
+    other elements are clobbered).  All lanes call it."""
+    n = 32
+    for step in range(5):
+        off = 16 >> step
+        upper = (lane & off) != 0
+        half = n // 2
+        for k in range(half):
+            send = Float32(cutlass.select_(upper, vals[k], vals[k + half]))
+            keep = Float32(cutlass.select_(upper, vals[k + half], vals[k]))
+            vals[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
+        n = half
+
+
 def transpose_lanes(vec: cute.Tensor, r8: Int32, n: int) -> None:
     """``n`` x ``n`` transpose (``n`` = 4 or 8) of 4-float vectors between the lanes
     ``(lane // 4) % n`` and the vector slot: afterwards slot ``b`` of lane index ``a`` holds what

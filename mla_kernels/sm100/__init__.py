@@ -3,7 +3,9 @@
 ``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file: ``fwd.py`` (sparse
 forward, 64 heads per CTA, 1-CTA tcgen05), ``fwd_h128.py`` (sparse forward, 128 heads per 2-CTA
 cluster, used when h_q is a multiple of 128), ``attn_dist.py`` (attention distribution) and
-``bwd.py`` (backward, 64 heads per CTA; its host side is the shared ``common/bwd_host.py``).
+``bwd.py`` (backward, 64 heads per CTA) and ``bwd_h128.py`` (backward, 128 heads per 2-CTA
+cluster, used when h_q is a multiple of 128); the backwards' host side is the shared
+``common/bwd_host.py``.
 
 The kernels are proven by compilation only (PTX -> SASS for sm_100a/sm_103a, see
 ``tools/compile_report.py``), never run: ``hardware_verified = False`` makes dispatch run a
@@ -90,15 +92,19 @@ def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: boo
     return kernel, _compile.compile_kernel(kernel, *attn_dist_fake_args(d_qk, h_q, TOPK_BLOCK), arch=arch, **kw)
 
 
-#: Whether the 2-CTA backward (``bwd_h128.py``) is complete enough to serve dispatch.  It is not:
-#: it compiles, but it is unverified on hardware and lacks attn_sum, so dispatch stays on the
-#: 1-CTA kernel and the 2-CTA kernel is only in the compile report.
-BWD_TWO_CTA_READY = False
+#: Bring-up knob of the backward: ``auto`` (default), ``1cta`` or ``2cta`` (as for the forward).
+ENV_BWD_KERNEL = "MLA_KERNELS_SM100_BWD"
 
 
 def bwd_two_cta(h_q: int) -> bool:
-    """Which backward kernel serves ``h_q`` by default (False: the 1-CTA ``bwd.py``)."""
-    return BWD_TWO_CTA_READY and h_q % 128 == 0
+    """Which backward kernel serves ``h_q``: the 2-CTA one (``bwd_h128.py``: 128 heads per
+    cluster, dKV summed over the pair before its scatter) when h_q is a multiple of 128, else the
+    1-CTA one (``bwd.py``, 64 heads per CTA).  ``MLA_KERNELS_SM100_BWD=1cta`` forces the 1-CTA
+    kernel for every h_q; both are compile-proven only."""
+    choice = os.environ.get(ENV_BWD_KERNEL, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "1cta", "2cta"):
+        raise ValueError(f"{ENV_BWD_KERNEL}={choice!r}: expected auto, 1cta or 2cta")
+    return h_q % 128 == 0 and choice != "1cta"
 
 
 def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
@@ -108,9 +114,8 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
     (and kernel argument order) as ``sm90.compile_bwd``: ``common.bwd_host.run_bwd`` drives both.
 
     Keyword ``two_cta`` (taken from ``kw`` so that the signature stays the sm90 one) picks the
-    kernel: default :func:`bwd_two_cta` (currently always the 1-CTA kernel, ``bwd.py``); ``True``
-    compiles the 2-CTA h128 kernel (``bwd_h128.py``, compile-only, not wired into dispatch: h_q %
-    128 == 0, no attn_sum)."""
+    kernel: default :func:`bwd_two_cta` (the 2-CTA ``bwd_h128.py`` for h_q % 128 == 0, else the
+    1-CTA ``bwd.py``)."""
     two_cta = kw.pop("two_cta", None)
     if two_cta is None:
         two_cta = bwd_two_cta(h_q)
@@ -130,7 +135,11 @@ class Sm100Backend(CuteKernelBackend):
     topk_block = TOPK_BLOCK
     hardware_verified = False
     compile_bwd = staticmethod(compile_bwd)
-    bwd_name = "SparseMlaBwdSm100"
+
+    @property
+    def bwd_name(self) -> str:
+        """The backward's compile-cache key: the bring-up knob can switch the kernel of an h_q."""
+        return "SparseMlaBwdSm100/" + (os.environ.get(ENV_BWD_KERNEL, "auto").strip().lower() or "auto")
 
     def device_reason(self, major: int, minor: int) -> Optional[str]:
         if major != 10:
@@ -140,7 +149,11 @@ class Sm100Backend(CuteKernelBackend):
     def config_key(self, op: str, p: Problem) -> tuple:
         # The first-use canary is per kernel: the bring-up knob can switch the forward's kernel.
         key = super().config_key(op, p)
-        return key + (fwd_two_cta(p.h_q),) if op == "fwd" else key
+        if op == "fwd":
+            return key + (fwd_two_cta(p.h_q),)
+        if op == "bwd":
+            return key + (bwd_two_cta(p.h_q),)
+        return key
 
     def fwd_kernel(self, p: Problem):
         arch = _compile.arch_for_device(p.device)
