@@ -231,6 +231,18 @@ def test_operand_layouts_match_the_writers(d_qk, trace_for_sm100):
     @cute.jit
     def trace():
         sQ, sDO, sKh, sDSa, sKdq, sRing, sY = k.smem_layouts()
+        sRing1, sYk = k.step_layouts()
+        for m in (0, 5, 64, 127):
+            for h in (0, 9, 31):
+                got[("RING1", m, h)] = (cute.crd2idx((((m % 64, m // 64), h % 16), 0, h // 16, 0), sRing1.outer),
+                                        cute.crd2idx((((m % 64, m // 64), h % 16), 0, h // 16, 0), sRing.outer))
+        for kc in (0, 1, 2, 3):
+            for h in (0, 9, 31):
+                for t in (0, 9, 31):
+                    hh = 32 * kc + h
+                    got[("YK", kc, h, t)] = (cute.crd2idx(((t, h % 16), 0, h // 16, 0), sYk.outer),
+                                             cute.crd2idx(((t, hh % 16), 0, hh // 16, 0), sY.outer))
+        swz["RING1"], swz["YK"] = str(sRing1.inner), str(sYk.inner)
         for name, lay in (("Q", sQ), ("DO", sDO), ("KH", sKh), ("DSA", sDSa), ("KDQ", sKdq), ("RING", sRing),
                           ("Y", sY)):
             swz[name] = str(lay.inner)
@@ -260,9 +272,15 @@ def test_operand_layouts_match_the_writers(d_qk, trace_for_sm100):
     trace()
     assert got
     assert swz == {"Q": "S<3,4,3>", "DO": "S<3,4,3>", "KH": "S<3,4,3>", "DSA": "S<3,4,3>", "KDQ": "S<3,4,3>",
-                   "RING": "S<3,4,3>", "Y": "S<2,4,3>"}
+                   "RING": "S<3,4,3>", "Y": "S<2,4,3>", "RING1": "S<3,4,3>", "YK": "S<2,4,3>"}
     for key, elem in got.items():
         kind = key[0]
+        if kind == "RING1":  # the rolled loop's one-stage view = stage 0 of the ring
+            assert int(elem[0]) == int(elem[1]), key
+            continue
+        if kind == "YK":  # step kc's view, offset by kc * 32 * 32 elements = heads 32 kc .. of sPY/sDSY
+            assert int(elem[0]) + key[1] * 32 * 32 == int(elem[1]), key
+            continue
         if kind == "Y":
             # the math warps' quadrant rows (64-byte swizzle), moved byte for byte by the exchange
             assert _sw64(2 * int(elem)) == quad_offset(key[1], key[2]), key
@@ -361,10 +379,12 @@ def check_sass(r, d_qk, det, asum=False):
         if op.startswith(("UTCHMMA", "UTCBAR", "UTCQMMA", "UTCOMMA", "UTCATOMSWS.FIND_AND_SET")):
             assert ".2CTA" in op, op
     assert sass.get("UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN", 0) >= 1  # the cta_group::2 TMEM alloc
-    # S/dP: 4 per 64 dims; dQ: 4 per tile; dKV^T: 2 per ring generation (32 heads)
-    assert sass.get("UTCHMMA.2CTA", 0) == 4 * (n_k + n_v) + 4 * n_dq + 2 * n_g
-    # commits: kvh_free, s_full, kdq_free, pds_free, dq_full + one per ring generation + one per round
-    assert sass.get("UTCBAR.2CTA.MULTICAST", 0) == 5 + n_g + n_r == base.get("UTCBAR", 0)
+    # S/dP: 4 per 64 dims; dQ: 4 per tile; dKV^T: a rolled loop over the four 32-head steps of each
+    # (round, product), 2 MMAs in its body
+    n_rp = n_g // 4
+    assert sass.get("UTCHMMA.2CTA", 0) == 4 * (n_k + n_v) + 4 * n_dq + 2 * n_rp
+    # commits: kvh_free, s_full, kdq_free, pds_free, dq_full + ring_empty per loop body + one per round
+    assert sass.get("UTCBAR.2CTA.MULTICAST", 0) == 5 + n_rp + n_r == base.get("UTCBAR", 0)
     assert sass.get("UBLKCP.S.S", 0) == 2  # the P and dS quadrants to the peer
     assert base.get("LDTM", 0) >= 2 + 2 * n_dq + 2 * n_r
     assert sass.get("MUFU.EX2", 0) == 32

@@ -72,7 +72,7 @@ local barrier and arrives on CTA 0's ``*_PEER``).  One phase per block unless no
   ``PDS_FREE(b)``, which follows the dKV^T MMAs that waited ``PX_FULL(b)`` of both CTAs.
 * ``RING_FULL[s]`` (32 noinc from the loader) -> MMA / relay -> ``RING_PEER[s]``; ``RING_EMPTY[s]``
   (mc after the MMAs reading stage s) -> loader.  The number of ring generations per block is a
-  multiple of 4, so every stage/phase is static within a block.
+  multiple of 4, so a generation's stage and phase depend only on its place in the block.
 * ``DKV_FULL[i]`` (mc per round) -> drain; ``DKV_EMPTY[i]`` (256 ->0 after the drain's TMEM
   loads) -> MMA.
 * ``DQ_FULL`` (mc after the last block) -> math epilogue.
@@ -81,6 +81,11 @@ local barrier and arrives on CTA 0's ``*_PEER``).  One phase per block unless no
 The relay handles its events in the order the MMA consumes them (KVH, KDQ, PX, ring generations
 of block b), and each of those depends only on events earlier in that order, so it cannot
 deadlock.
+
+Registers: the loader's and the MMA warp's loops over the four 32-head steps are rolled
+(``cutlass.range(..., unroll=1)``) with operands rebuilt per step from dynamic offsets: unrolled,
+the CUDA 13 ptxas hoists every step's addresses / descriptors and spills (1,796 bytes; the CUDA
+12 ptxas of the cu12 DSL wheel did not).  Both toolchains now report 0 spills (113-120 registers).
 
 Unproven (no Blackwell GPU has run it): the barrier protocol, the proxy fences between cp.async /
 generic stores and the tcgen05 reads, the bulk-copy exchange; the compile report (SASS), the
@@ -364,12 +369,20 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
         sY = sm100_utils.make_smem_layout_b(mma_dkv, (DKV_M, DKV_N, B_H), BFloat16, 1)
         return sQ, sDO, sKh, sDSa, sKdq, sRing, sY
 
+    def step_layouts(self):
+        """One ring stage and one 32-head step of a quadrant pair (the rolled dKV^T loop's views;
+        a step ``kc`` starts ``kc * 32 * 32`` elements into sPY / sDSY -- tests check both)."""
+        mma_dkv = self._mma_dkv()
+        return (sm100_utils.make_smem_layout_a(mma_dkv, (DKV_M, DKV_N, RING_K), BFloat16, 1),
+                sm100_utils.make_smem_layout_b(mma_dkv, (DKV_M, DKV_N, RING_K), BFloat16, 1))
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mDO: cute.Tensor, mO: cute.Tensor, mIdx: cute.Tensor,
                  mTopkLen: cute.Tensor, mLse2: cute.Tensor, mDeltaCorr: cute.Tensor, mDeltaOut: cute.Tensor,
                  mAsumScale: cute.Tensor, mDQ: cute.Tensor, mWs: cute.Tensor, mAsum: cute.Tensor,
                  scale_log2: Float32, sm_scale: Float32, stream):
         sQ_l, sDO_l, sKh_l, sDSa_l, sKdq_l, sRing_l, sY_l = self.smem_layouts()
+        sRing1_l, sYk_l = self.step_layouts()
         kh_elems = dict(self.plan2.smem_regions)["sKh"] // 2
 
         @cute.struct
@@ -401,7 +414,8 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
         n_hgrp = mQ.shape[1] // B_H
         self.kernel(
             mQ, mKV, mDO, mO, mIdx, mTopkLen, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mDQ, mWs, mAsum,
-            scale_log2, sm_scale, sQ_l, sDO_l, sKh_l, sDSa_l, sKdq_l, sRing_l, sY_l, SharedStorage, n_hgrp,
+            scale_log2, sm_scale, sQ_l, sDO_l, sKh_l, sDSa_l, sKdq_l, sRing_l, sY_l, sRing1_l, sYk_l, SharedStorage,
+            n_hgrp,
         ).launch(grid=[2 * s_q * n_hgrp, 1, 1], block=[THREADS, 1, 1], cluster=[2, 1, 1], smem=self.smem_bytes,
                  stream=stream, min_blocks_per_mp=1)
 
@@ -411,8 +425,8 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                mAsumScale: cute.Tensor, mDQ: cute.Tensor, mWs: cute.Tensor, mAsum: cute.Tensor,
                scale_log2: Float32, sm_scale: Float32, sQ_l: cute.ComposedLayout, sDO_l: cute.ComposedLayout,
                sKh_l: cute.ComposedLayout, sDSa_l: cute.ComposedLayout, sKdq_l: cute.ComposedLayout,
-               sRing_l: cute.ComposedLayout, sY_l: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
-               n_hgrp: Int32):
+               sRing_l: cute.ComposedLayout, sY_l: cute.ComposedLayout, sRing1_l: cute.ComposedLayout,
+               sYk_l: cute.ComposedLayout, SharedStorage: cutlass.Constexpr, n_hgrp: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -493,7 +507,11 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                          mbar, tidx - 32 * GATHER_WARP0)
         elif warp_idx == MMA_WARP:
             if rank == 0:
-                self.mma2(sQ, sDO, sKh, sDSa, sKdq, sRing, sPY, sDSY, tmem_holding, num_blocks, mbar)
+                # one ring stage / one 32-head step of the quadrants, for the rolled dKV^T loop
+                sRing_one = storage.sRing.get_tensor(sRing1_l.outer, swizzle=sRing1_l.inner)
+                sY_step = storage.sDSY.get_tensor(sYk_l.outer, swizzle=sYk_l.inner)
+                self.mma2(sQ, sDO, sKh, sDSa, sKdq, sRing, sPY, sDSY, sRing_one, sY_step, tmem_holding, num_blocks,
+                          mbar)
             else:
                 self.relay2(num_blocks, mbar)
         elif warp_idx == RING_WARP:
@@ -608,7 +626,7 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def mma2(self, sQ, sDO, sKh, sDSa, sKdq, sRing, sPY, sDSY, tmem_holding, num_blocks, mbar):
+    def mma2(self, sQ, sDO, sKh, sDSa, sKdq, sRing, sPY, sDSY, sRing_one, sY_step, tmem_holding, num_blocks, mbar):
         """CTA 0, warp 12: every MMA is cta_group::2; every commit is multicast to both CTAs."""
         dev.tcgen05_fence_after_thread_sync()
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)
@@ -636,9 +654,6 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
             tCrK = mma_s0.make_fragment_B(cute.make_tensor(sKh.iterator + z, sKh.layout))
             tCrDS = mma_dq0.make_fragment_A(cute.make_tensor(sDSa.iterator + z, sDSa.layout))
             tCrKdq = mma_dq0.make_fragment_B(cute.make_tensor(sKdq.iterator + z, sKdq.layout))
-            tCrRing = mma_dkv0.make_fragment_A(cute.make_tensor(sRing.iterator + z, sRing.layout))
-            tCrDSY = mma_dkv0.make_fragment_B(cute.make_tensor(sDSY.iterator + z, sDSY.layout))
-            tCrPY = mma_dkv0.make_fragment_B(cute.make_tensor(sPY.iterator + z, sPY.layout))
             # ---- S = Q K^T, dP = dO V^T (M128 x N64, 2-CTA) ----
             cute.arch.mbarrier_wait(mbar + MB_KVH_LOCAL, parity)
             cute.arch.mbarrier_wait(mbar + MB_KVH_PEER, parity)
@@ -673,31 +688,33 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
             cute.arch.mbarrier_wait(mbar + MB_PX_FULL, parity)
             cute.arch.mbarrier_wait(mbar + MB_PX_PEER, parity)
             mma_dkv = self._mma_dkv()
-            g = 0
+            g0 = 0  # ring generations before this (round, product) within the block (static)
             for j in cutlass.range_constexpr(len(self.plan2.round_dims)):
                 buf, uses, u = self.plan2.round_buffer(j)
                 cute.arch.mbarrier_wait(mbar + MB_DKV_EMPTY + buf, ((uses * b + u) & 1) ^ 1)
                 dev.tcgen05_fence_after_thread_sync()
                 acc = cute.make_tensor(tmem_ptr + self.plan2.dkv_cols[buf], dkv_layout)
                 for prod in cutlass.range_constexpr(1 + int(self.plan2.round_has_do[j])):
-                    for kc in cutlass.range_constexpr(B_H // RING_K):
-                        s = g % RING_STAGES
-                        ph = (g // RING_STAGES) & 1
+                    sB = sDSY if const_expr(prod == 0) else sPY
+                    # a rolled loop over the 32-head steps, operands rebuilt per step from dynamic
+                    # offsets: unrolled, ptxas hoists every step's descriptors and spills
+                    for kc in cutlass.range(B_H // RING_K, unroll=1):
+                        s = kc % RING_STAGES  # g0 is a multiple of 2 x RING_STAGES
+                        ph = ((g0 // RING_STAGES) + kc // RING_STAGES) & 1
                         cute.arch.mbarrier_wait(mbar + MB_RING_FULL + s, ph)
                         cute.arch.mbarrier_wait(mbar + MB_RING_PEER + s, ph)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         dev.tcgen05_fence_after_thread_sync()
+                        tA = mma_dkv0.make_fragment_A(cute.make_tensor(
+                            sRing.iterator + s * (RING_STAGE_BYTES // 2), sRing_one.layout))
+                        tB = mma_dkv0.make_fragment_B(cute.make_tensor(
+                            sB.iterator + kc * (RING_K * DKV_N // 2), sY_step.layout))
                         for kk in cutlass.range_constexpr(n_steps):
                             mma_dkv.set(tcgen05.Field.ACCUMULATE, (prod + kc + kk) != 0)
-                            if const_expr(prod == 0):
-                                cute.gemm(mma_dkv, acc, tCrRing[None, None, kk, s],
-                                          tCrDSY[None, None, kc * n_steps + kk, 0], acc)
-                            else:
-                                cute.gemm(mma_dkv, acc, tCrRing[None, None, kk, s],
-                                          tCrPY[None, None, kc * n_steps + kk, 0], acc)
+                            cute.gemm(mma_dkv, acc, tA[None, None, kk, 0], tB[None, None, kk, 0], acc)
                         with cute.arch.elect_one():
                             tcgen05.commit(mbar + MB_RING_EMPTY + s, mc, tcgen05.CtaGroup.TWO)
-                        g += 1
+                    g0 += B_H // RING_K
                 with cute.arch.elect_one():
                     tcgen05.commit(mbar + MB_DKV_FULL + buf, mc, tcgen05.CtaGroup.TWO)
             with cute.arch.elect_one():
