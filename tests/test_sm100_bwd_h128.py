@@ -47,7 +47,7 @@ def _sw64(byte_off: int) -> int:
 
 def _rowtile_offset(row: int, col: int, rows: int) -> int:
     """Byte offset of element (row, col) of a [rows x d] bf16 block stored as [rows x 64] SW128
-    tiles (how KvGather / copy_dense_rows / copy_rows_warp / the dS stores write)."""
+    tiles (how KvGather / copy_dense_rows / the dS stores write)."""
     t, c = divmod(col, 64)
     return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
 
@@ -297,7 +297,7 @@ def test_operand_layouts_match_the_writers(d_qk, trace_for_sm100):
             # slot j = the KvGather(rows=64) tile of token t, dim n of the CTA's 64 dims
             _, n, t, j = key
             assert phys == j * KDQ_TILE_BYTES + _rowtile_offset(t, n, 64), key
-        else:  # RING: (dim m of the CTA's 128, head h of the step's 32) = copy_rows_warp's [32 x 128]
+        else:  # RING: (dim m of the CTA's 128, head h of the step's 32) = copy_dense_rows(n_threads=32)'s [32 x 128]
             _, m, h, st = key
             assert phys == st * RING_STAGE_BYTES + _rowtile_offset(h, m, 32), key
 
@@ -814,3 +814,21 @@ def test_sync_protocol_model_catches_faults(fault):
             failed = True
             break
     assert failed, fault
+
+
+@pytest.mark.parametrize("n_threads,n_rows", [(32, 32), (128, 64)])
+def test_copy_dense_rows_writes_the_tile_layout(n_threads, n_rows, monkeypatch):
+    """The ring loader (one warp) and the Q/dO loads (a warpgroup) put source byte ``(row, col)``
+    at the SW128 tile offset the MMA layouts are checked against (``_rowtile_offset``), each
+    16-byte chunk exactly once.  Runs the helper on the host with a recording cp.async."""
+    _cutlass()
+    from mla_kernels.common import gather
+
+    rec = []
+    monkeypatch.setattr(gather.dev, "cp_async_16_zfill", lambda d, s, ok, pol: rec.append((int(d), int(s))))
+    row_bytes, n_tiles = 1152, 2
+    for t in range(n_threads):
+        gather.copy_dense_rows(0, 0, row_bytes, n_rows, n_tiles, t, 0, n_threads=n_threads)
+    assert len(rec) == n_rows * n_tiles * 8
+    want = {_rowtile_offset(r, c, n_rows): r * row_bytes + 2 * c for r in range(n_rows) for c in range(0, 64 * n_tiles, 8)}
+    assert dict(rec) == want

@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 LOG2E = math.log2(math.e)
@@ -470,3 +471,68 @@ def rowsum_o_do_half(mO: cute.Tensor, mDO: cute.Tensor, s_idx: Int32, head: Int3
         prod = rO.load().to(Float32) * rDO.load().to(Float32)
         acc = acc + prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
     return acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Clusters (sm100 2-CTA kernels): DSMEM addresses, bulk copies to a peer CTA, remote arrivals
+# ---------------------------------------------------------------------------------------------
+
+
+def arrive_cta0(ptr) -> None:
+    """Arrive on CTA 0's copy of an mbarrier (release at cluster scope: DSMEM handoff)."""
+    cute.arch.mbarrier_arrive(ptr, Int32(0), scope=_nvvm.MemScopeKind.CLUSTER)
+
+
+@dsl_user_op
+def mapa_shared(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address of ``addr`` (a shared::cta address) in CTA ``rank``."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+        "mapa.shared::cluster.u32 $0, $1, $2;",
+        "=r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
+def bulk_copy_s2cluster(dst: Int32, src: Int32, nbytes: Int32, mbar: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk`` local smem -> (possibly remote) cluster smem; ``complete_tx`` on ``mbar``
+    (a shared::cluster address in the destination CTA)."""
+    llvm.inline_asm(
+        None,
+        [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst, src, nbytes, mbar)],
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def bulk_commit_and_wait_read(*, loc=None, ip=None) -> None:
+    """Commit this thread's bulk copies and wait until their sources have been read."""
+    _asm_void("cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group.read 0;", loc, ip)
+
+
+@dsl_user_op
+def opaque_zero(*, loc=None, ip=None) -> Int32:
+    """0, invisible to the optimiser (keeps address math inside the loop that needs it)."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, 0;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [Int32(mbar).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+        "r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

@@ -113,24 +113,32 @@ class KvGather:
 
 
 def copy_dense_rows(
-    tile_addr: Int32, gmem_addr: Int64, row_bytes, n_rows: int, n_tiles: int, ptid, policy: Int64
+    tile_addr: Int32, gmem_addr: Int64, row_bytes, n_rows: int, n_tiles: int, ptid, policy: Int64,
+    n_threads: int = 128,
 ) -> None:
     """cp.async an ``[n_rows x 64 n_tiles]`` bf16 row-major matrix (row ``r`` at ``gmem_addr +
     r * row_bytes``) into ``n_tiles`` K-major SW128 tiles of ``[n_rows x 64]``, ``n_rows * 128``
     bytes apart from ``tile_addr`` (32-bit shared address, 1024-byte aligned) -- the layout of a
-    :class:`KvGather` block.  Called by all 128 threads of a warpgroup (``ptid`` = 0..127);
-    ``n_rows`` a multiple of 16."""
-    assert n_rows % GROUPS == 0, f"n_rows={n_rows} must be a multiple of {GROUPS}"
+    :class:`KvGather` block.  Called by all ``n_threads`` threads (a warpgroup by default, or one
+    warp; ``ptid`` = 0 .. n_threads - 1): thread ``t`` copies 16-byte chunk ``t % 8`` of rows
+    ``t / 8 + (n_threads / 8) j``; ``n_rows`` a multiple of ``n_threads / 8``."""
+    groups = n_threads // 8
+    assert n_rows % groups == 0, f"n_rows={n_rows} must be a multiple of {groups}"
     group = ptid // 8
     lane8 = ptid % 8
-    dst = tile_addr + group * 128 + ((lane8 ^ (group % 8)) * 16)
+    dst = tile_addr + group * 128
+    if groups % 8 == 0:  # every row of this thread has the swizzle phase group % 8
+        dst = dst + ((lane8 ^ (group % 8)) * 16)
     src = gmem_addr + Int64(group) * row_bytes + Int64(lane8 * 16)
     always = Boolean(True)
     for t in range(n_tiles):
-        for j in range(n_rows // GROUPS):
+        for j in range(n_rows // groups):
+            row_dst = dst
+            if groups % 8 != 0:  # the swizzle phase of row group + groups j
+                row_dst = dst + ((lane8 ^ ((group + groups * j) % 8)) * 16)
             dev.cp_async_16_zfill(
-                dst + (t * n_rows * 128 + j * GROUPS * 128),
-                src + Int64(j * GROUPS) * row_bytes + Int64(t * 128),
+                row_dst + (t * n_rows * 128 + j * groups * 128),
+                src + Int64(j * groups) * row_bytes + Int64(t * 128),
                 always,
                 policy,
             )

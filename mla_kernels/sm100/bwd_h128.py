@@ -104,14 +104,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
 
 from ..common import device as dev
 from ..common.gather import KvGather, copy_dense_rows
 from .bwd import D_CHUNK, K_TILE, MMA_K, SMEM_LIMIT, TMEM_COLUMNS, SparseMlaBwdSm100, transpose_quad
-from .fwd_h128 import arrive_cta0
 
 B_H = 128  # heads per cluster (M of S / dP / dQ, K of dKV^T)
 B_H_CTA = 64
@@ -250,82 +247,6 @@ def quad_offset(head: int, token: int) -> int:
     dKV^T MMA's B operand)."""
     c = token // 8
     return head * 64 + ((c ^ ((head >> 1) & 3)) * 16) + (token % 8) * 2
-
-
-# ---------------------------------------------------------------------------------------------
-# DSMEM helpers
-# ---------------------------------------------------------------------------------------------
-
-
-@dsl_user_op
-def mapa_shared(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
-    """The shared::cluster address of ``addr`` (a shared::cta address) in CTA ``rank``."""
-    return Int32(llvm.inline_asm(
-        cutlass.cutlass_dsl.T.i32(),
-        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
-        "mapa.shared::cluster.u32 $0, $1, $2;",
-        "=r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
-@dsl_user_op
-def bulk_copy_s2cluster(dst: Int32, src: Int32, nbytes: Int32, mbar: Int32, *, loc=None, ip=None) -> None:
-    """``cp.async.bulk`` local smem -> (possibly remote) cluster smem; ``complete_tx`` on ``mbar``
-    (a shared::cluster address in the destination CTA)."""
-    llvm.inline_asm(
-        None,
-        [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst, src, nbytes, mbar)],
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def bulk_commit_and_wait_read(*, loc=None, ip=None) -> None:
-    """Commit this thread's bulk copies and wait until their sources have been read."""
-    dev._asm_void("cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group.read 0;", loc, ip)
-
-
-@dsl_user_op
-def opaque_zero(*, loc=None, ip=None) -> Int32:
-    """0, invisible to the optimiser (keeps address math inside the loop that needs it)."""
-    return Int32(llvm.inline_asm(cutlass.cutlass_dsl.T.i32(), [], "mov.u32 $0, 0;", "=r", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(mbar).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
-        "r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def copy_rows_warp(tile_addr: Int32, gmem_addr: Int64, row_bytes, n_rows: int, n_tiles: int, lane, policy: Int64) -> None:
-    """One warp cp.asyncs an ``[n_rows x 64 n_tiles]`` bf16 row-major matrix (row ``r`` at
-    ``gmem_addr + r * row_bytes``) into ``n_tiles`` K-major SW128 tiles of ``[n_rows x 64]``,
-    ``n_rows * 128`` bytes apart (the layout of :func:`~mla_kernels.common.gather.copy_dense_rows`):
-    lane ``l`` copies 16-byte chunk ``l % 8`` of rows ``l / 8 + 4 i``."""
-    group = lane // 8
-    lane8 = lane % 8
-    src = gmem_addr + Int64(group) * row_bytes + Int64(lane8 * 16)
-    always = cutlass.Boolean(True)
-    for t in range(n_tiles):
-        for i in range(n_rows // 4):
-            row = group + 4 * i
-            dst = tile_addr + t * n_rows * 128 + row * 128 + ((lane8 ^ (row % 8)) * 16)
-            dev.cp_async_16_zfill(dst, src + Int64(4 * i) * row_bytes + Int64(t * 128), always, policy)
 
 
 class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
@@ -588,10 +509,10 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                         dst = sRing_addr + s * RING_STAGE_BYTES
                         if const_expr(prod == 0):
                             src = q_base + Int64(kc * RING_K) * Int64(self.d_qk * 2) + dim_bytes
-                            copy_rows_warp(dst, src, self.d_qk * 2, RING_K, 2, lane, policy)
+                            copy_dense_rows(dst, src, self.d_qk * 2, RING_K, 2, lane, policy, n_threads=32)
                         else:
                             src = do_base + Int64(kc * RING_K) * Int64(self.d_v * 2) + dim_bytes
-                            copy_rows_warp(dst, src, self.d_v * 2, RING_K, 2, lane, policy)
+                            copy_dense_rows(dst, src, self.d_v * 2, RING_K, 2, lane, policy, n_threads=32)
                         cute.arch.cp_async_mbarrier_arrive_noinc(mbar + MB_RING_FULL + s)
                     g0 += n_kc
 
@@ -603,26 +524,26 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
             cute.arch.mbarrier_wait(mbar + MB_Q_LOCAL, 0)
             cute.arch.fence_proxy("async.shared", space="cta")  # cp.async (generic) -> MMA (async proxy)
             with cute.arch.elect_one():
-                arrive_cta0(mbar + MB_Q_PEER)
+                dev.arrive_cta0(mbar + MB_Q_PEER)
         for b in cutlass.range(num_blocks, unroll=1):
             parity = b & 1
             cute.arch.mbarrier_wait(mbar + MB_KVH_LOCAL, parity)
             cute.arch.fence_proxy("async.shared", space="cta")
             with cute.arch.elect_one():
-                arrive_cta0(mbar + MB_KVH_PEER)
+                dev.arrive_cta0(mbar + MB_KVH_PEER)
             cute.arch.mbarrier_wait(mbar + MB_KDQ_LOCAL, parity)
             cute.arch.fence_proxy("async.shared", space="cta")
             with cute.arch.elect_one():
-                arrive_cta0(mbar + MB_KDQ_PEER)
+                dev.arrive_cta0(mbar + MB_KDQ_PEER)
             cute.arch.mbarrier_wait(mbar + MB_PX_FULL, parity)
             with cute.arch.elect_one():
-                arrive_cta0(mbar + MB_PX_PEER)
+                dev.arrive_cta0(mbar + MB_PX_PEER)
             for g in cutlass.range_constexpr(len(self.plan2.ring_gens)):
                 s = g % RING_STAGES
                 cute.arch.mbarrier_wait(mbar + MB_RING_FULL + s, (g // RING_STAGES) & 1)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 with cute.arch.elect_one():
-                    arrive_cta0(mbar + MB_RING_PEER + s)
+                    dev.arrive_cta0(mbar + MB_RING_PEER + s)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -648,7 +569,7 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
             parity = b & 1
             # Operand descriptors are rebuilt per block from an opaque zero: hoisted out of the
             # loop, the live 64-bit descriptors spill.
-            z = opaque_zero()
+            z = dev.opaque_zero()
             tCrQ = mma_s0.make_fragment_A(cute.make_tensor(sQ.iterator + z, sQ.layout))
             tCrDO = mma_s0.make_fragment_A(cute.make_tensor(sDO.iterator + z, sDO.layout))
             tCrK = mma_s0.make_fragment_B(cute.make_tensor(sKh.iterator + z, sKh.layout))
@@ -774,12 +695,12 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
             cute.copy(t2r, tDPsrc, rDP)
             cute.arch.fence_view_async_tmem_load()
             dev.tcgen05_fence_before_thread_sync()
-            arrive_cta0(mbar + MB_S_EMPTY)
+            dev.arrive_cta0(mbar + MB_S_EMPTY)
             # both CTAs' dQ / dKV^T MMAs of block b-1 are done: sDS, the quadrants and the
             # staging are free, and PX_FULL's phase b-1 has completed (its bytes were consumed)
             cute.arch.mbarrier_wait(mbar + MB_PDS_FREE, parity ^ 1)
             if tidx == 0:
-                mbarrier_arrive_expect_tx(px_full, Int32(2 * QUAD_BYTES))
+                dev.mbarrier_arrive_expect_tx(px_full, Int32(2 * QUAD_BYTES))
             for q in cutlass.range_constexpr(S_COLS // 8):
                 for i in cutlass.range_constexpr(8):
                     j = 8 * q + i
@@ -798,16 +719,16 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                 w = [dev.pack_bf16x2(rS[8 * q + 2 * e], rS[8 * q + 2 * e + 1]) for e in range(4)]
                 dev.st_shared_v4_b32(p_row + qchunk, w[0], w[1], w[2], w[3])
             cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> MMA / bulk-copy reads
-            arrive_cta0(mbar + MB_PDS_FULL)
+            dev.arrive_cta0(mbar + MB_PDS_FULL)
             if chalf != rank:
                 # the peer's quadrant of this CTA's heads: two 4 KB bulk copies into its sPY/sDSY
                 cute.arch.barrier(barrier_id=BAR_XCHG, number_of_threads=2 * 32)
                 if row == 0:
-                    dst_mbar = mapa_shared(px_full, peer)
+                    dst_mbar = dev.mapa_shared(px_full, peer)
                     off = rank * QUAD_BYTES
-                    bulk_copy_s2cluster(mapa_shared(sPY_addr + off, peer), sPX_addr, Int32(QUAD_BYTES), dst_mbar)
-                    bulk_copy_s2cluster(mapa_shared(sDSY_addr + off, peer), sDSX_addr, Int32(QUAD_BYTES), dst_mbar)
-                    bulk_commit_and_wait_read()
+                    dev.bulk_copy_s2cluster(dev.mapa_shared(sPY_addr + off, peer), sPX_addr, Int32(QUAD_BYTES), dst_mbar)
+                    dev.bulk_copy_s2cluster(dev.mapa_shared(sDSY_addr + off, peer), sDSX_addr, Int32(QUAD_BYTES), dst_mbar)
+                    dev.bulk_commit_and_wait_read()
             if const_expr(self.attn_sum):
                 # sum over heads of P * exp(lse' - lse): lanes -> tokens, then the two warps of a half
                 for j in cutlass.range_constexpr(S_COLS):
@@ -901,7 +822,7 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                     cute.arch.fence_view_async_tmem_load()
                     if const_expr(hf == halves - 1):
                         dev.tcgen05_fence_before_thread_sync()
-                        arrive_cta0(mbar + MB_DKV_EMPTY + buf)
+                        dev.arrive_cta0(mbar + MB_DKV_EMPTY + buf)
                     for g0 in cutlass.range_constexpr(cols // 4):
                         transpose_quad(rKV, 4 * g0, q)
                     if 32 * wq >= store_row:

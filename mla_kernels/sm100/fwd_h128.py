@@ -40,7 +40,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
-from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from ..common import device as dev
@@ -114,11 +113,6 @@ def fwd_h128_plan(d_qk: int) -> FwdH128Plan:
     if smem > SMEM_LIMIT:
         raise ValueError(f"smem {smem} > {SMEM_LIMIT}")
     return FwdH128Plan(d_qk, d_qk // K_TILE, q_bytes, k_stage, v_stage, p_bytes, smem)
-
-
-def arrive_cta0(ptr) -> None:
-    """Arrive on CTA 0's copy of an mbarrier (release at cluster scope: DSMEM handoff)."""
-    cute.arch.mbarrier_arrive(ptr, Int32(0), scope=_nvvm.MemScopeKind.CLUSTER)
 
 
 class SparseMlaFwdSm100H128:
@@ -293,13 +287,13 @@ class SparseMlaFwdSm100H128:
             cute.arch.mbarrier_wait(mbar + MB_Q_LOCAL, 0)
             cute.arch.fence_proxy("async.shared", space="cta")  # generic cp.async -> async-proxy MMA reads
             with cute.arch.elect_one():
-                arrive_cta0(mbar + MB_Q_PEER)
+                dev.arrive_cta0(mbar + MB_Q_PEER)
         for b in cutlass.range(num_blocks, unroll=1):
             stage = b % KV_STAGES
             cute.arch.mbarrier_wait(mbar + MB_KV_LOCAL + stage, (b // KV_STAGES) & 1)
             cute.arch.fence_proxy("async.shared", space="cta")
             with cute.arch.elect_one():
-                arrive_cta0(mbar + MB_KV_PEER + stage)
+                dev.arrive_cta0(mbar + MB_KV_PEER + stage)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -415,7 +409,7 @@ class SparseMlaFwdSm100H128:
             cute.copy(t2r_s, t2r_s.partition_S(tS_all[None, None, None, buf]), rS)
             cute.arch.fence_view_async_tmem_load()
             dev.tcgen05_fence_before_thread_sync()
-            arrive_cta0(mbar + MB_S_EMPTY + buf)
+            dev.arrive_cta0(mbar + MB_S_EMPTY + buf)
 
             part = Float32(-math.inf)
             for i in cutlass.range_constexpr(S_COLS):
@@ -460,7 +454,7 @@ class SparseMlaFwdSm100H128:
                                  dev.pack_bf16x2(rS[8 * q + 4], rS[8 * q + 5]), dev.pack_bf16x2(rS[8 * q + 6], rS[8 * q + 7]))
             cute.arch.fence_proxy("async.shared", space="cta")
             dev.tcgen05_fence_before_thread_sync()
-            arrive_cta0(mbar + MB_P_FULL)
+            dev.arrive_cta0(mbar + MB_P_FULL)
 
         if num_blocks > 0:
             cute.arch.mbarrier_wait(mbar + MB_O_DONE, (num_blocks - 1) & 1)
