@@ -661,15 +661,7 @@ class SparseMlaBwdSm100:
         rows = cute.make_rmem_tensor((B_TOPK // 4,), Int32)  # kv row of token 4g+q (-1: invalid)
         dkv_stage = make_pipeline_state(PipelineUserType.Consumer, self.n_dkv_bufs)
         for b in cutlass.range(num_blocks, unroll=1):
-            okmask = Uint32(0)  # deterministic: bit g = token 4g+q valid (its row is computed)
-            for g in cutlass.range_constexpr(B_TOPK // 4):
-                slot = b * B_TOPK + 4 * g + q
-                idx = mIdx[s_idx, cutlass.min(slot, topk - 1)]
-                ok = dev.slot_valid(idx, slot, s_kv, topk_len)
-                if const_expr(self.deterministic):
-                    okmask = okmask | (Uint32(cutlass.select_(ok, Uint32(1), Uint32(0))) << Uint32(g))
-                else:
-                    rows[g] = Int32(cutlass.select_(ok, idx, Int32(-1)))
+            okmask = self._drain_rows(mIdx, s_idx, b, q, topk, topk_len, s_kv, rows)
             # the slot's private row of the deterministic workspace (int32: the host bounds a wave)
             det_row0 = (s_idx * n_hblk + h_blk) * topk + b * B_TOPK + q
             for c in cutlass.range_constexpr(self.n_chunks):
@@ -685,26 +677,50 @@ class SparseMlaBwdSm100:
                     if const_expr(hf == halves - 1):
                         dev.tcgen05_fence_before_thread_sync()
                         cute.arch.mbarrier_arrive(dkv_empty + dkv_stage.index)  # the MMA may refill it
-                    for g0 in cutlass.range_constexpr(cols // 4):
-                        transpose_quad(rKV, 4 * g0, q)
-                    # lane 4a+q: token 4g+q, dims 4a..4a+3 of the warp's 32 -> one instruction
-                    # covers 4 tokens x 128 contiguous bytes (whole L2 lines)
-                    if 32 * wq >= self.plan.chunk_store_row[c]:
-                        chunk_off = Int64(self.plan.chunk_dims[c] * 4)
-                        for g0 in cutlass.range_constexpr(cols // 4):
-                            g = hf * (cols // 4) + g0
-                            v = (rKV[4 * g0], rKV[4 * g0 + 1], rKV[4 * g0 + 2], rKV[4 * g0 + 3])
-                            if const_expr(self.deterministic):
-                                if (okmask >> Uint32(g)) & Uint32(1) != Uint32(0):
-                                    addr = ws_base + Int64(det_row0 + 4 * g) * Int64(row_bytes) + chunk_off
-                                    dev.st_global_v4_f32(addr, v[0], v[1], v[2], v[3])
-                            else:
-                                if rows[g] >= 0:
-                                    addr = ws_base + Int64(rows[g]) * Int64(row_bytes) + chunk_off  # 64-bit
-                                    dev.red_add_v4_f32_hint(addr, v[0], v[1], v[2], v[3], policy)
+                    self._drain_scatter(rKV, hf, cols, q, 32 * wq >= self.plan.chunk_store_row[c],
+                                        Int64(self.plan.chunk_dims[c] * 4), okmask, rows, det_row0, ws_base,
+                                        row_bytes, policy)
                 dkv_stage.advance()
         dev.tcgen05_fence_before_thread_sync()
         cute.arch.barrier(barrier_id=BAR_END, number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def _drain_rows(self, mIdx, s_idx, b, q, topk, topk_len, s_kv, rows) -> Uint32:
+        """The drain thread's 16 tokens ``4 g + q`` of block ``b``: their kv rows into ``rows``
+        (-1: invalid), or -- deterministic -- the validity mask (bit g) that is returned."""
+        okmask = Uint32(0)
+        for g in cutlass.range_constexpr(B_TOPK // 4):
+            slot = b * B_TOPK + 4 * g + q
+            idx = mIdx[s_idx, cutlass.min(slot, topk - 1)]
+            ok = dev.slot_valid(idx, slot, s_kv, topk_len)
+            if const_expr(self.deterministic):
+                okmask = okmask | (Uint32(cutlass.select_(ok, Uint32(1), Uint32(0))) << Uint32(g))
+            else:
+                rows[g] = Int32(cutlass.select_(ok, idx, Int32(-1)))
+        return okmask
+
+    @cute.jit
+    def _drain_scatter(self, rKV, hf: int, cols: int, q, store, col_off, okmask, rows, det_row0, ws_base, row_bytes,
+                       policy):
+        """Scatter ``cols`` tokens of one TMEM load (half ``hf`` of the block) of this thread's dKV^T
+        row: a quad transpose, then (if ``store``) one 16-byte float atomic -- or, deterministic, a
+        store to the slot's private row -- per 4 dims x token.  Lane 4a+q: token 4g+q, dims
+        4a..4a+3 of the warp's 32 -> one instruction covers 4 tokens x 128 contiguous bytes (whole
+        L2 lines).  ``col_off``: the first dim of the chunk, in bytes."""
+        for g0 in cutlass.range_constexpr(cols // 4):
+            transpose_quad(rKV, 4 * g0, q)
+        if store:
+            for g0 in cutlass.range_constexpr(cols // 4):
+                g = hf * (cols // 4) + g0
+                v = (rKV[4 * g0], rKV[4 * g0 + 1], rKV[4 * g0 + 2], rKV[4 * g0 + 3])
+                if const_expr(self.deterministic):
+                    if (okmask >> Uint32(g)) & Uint32(1) != Uint32(0):
+                        addr = ws_base + Int64(det_row0 + 4 * g) * Int64(row_bytes) + col_off
+                        dev.st_global_v4_f32(addr, v[0], v[1], v[2], v[3])
+                else:
+                    if rows[g] >= 0:
+                        addr = ws_base + Int64(rows[g]) * Int64(row_bytes) + col_off  # 64-bit
+                        dev.red_add_v4_f32_hint(addr, v[0], v[1], v[2], v[3], policy)
 
     @cute.jit
     def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid):

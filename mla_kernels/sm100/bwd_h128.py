@@ -108,7 +108,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from ..common import device as dev
 from ..common.gather import KvGather, copy_dense_rows
-from .bwd import D_CHUNK, K_TILE, MMA_K, SMEM_LIMIT, TMEM_COLUMNS, SparseMlaBwdSm100, transpose_quad
+from .bwd import D_CHUNK, K_TILE, MMA_K, SMEM_LIMIT, TMEM_COLUMNS, SparseMlaBwdSm100
 
 B_H = 128  # heads per cluster (M of S / dP / dQ, K of dKV^T)
 B_H_CTA = 64
@@ -251,7 +251,7 @@ def quad_offset(head: int, token: int) -> int:
 
 class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
     """2-CTA (cta_group::2) sm100 sparse backward, 128 heads per cluster.  Reuses the 1-CTA
-    kernel's ``_delta_rows``."""
+    kernel's ``_delta_rows``, ``_drain_rows`` and ``_drain_scatter``."""
 
     delta_unroll = 1  # a rolled delta loop: this kernel's register budget is tighter
     #: heads per deterministic workspace row block (the host sizes the workspace with it)
@@ -799,15 +799,7 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
         policy = dev.createpolicy_evict_last()
         rows = cute.make_rmem_tensor((B_TOPK // 4,), Int32)
         for b in cutlass.range(num_blocks, unroll=1):
-            okmask = Uint32(0)
-            for g in cutlass.range_constexpr(B_TOPK // 4):
-                slot = b * B_TOPK + 4 * g + q
-                idx = mIdx[s_idx, cutlass.min(slot, topk - 1)]
-                ok = dev.slot_valid(idx, slot, s_kv, topk_len)
-                if const_expr(self.deterministic):
-                    okmask = okmask | (Uint32(cutlass.select_(ok, Uint32(1), Uint32(0))) << Uint32(g))
-                else:
-                    rows[g] = Int32(cutlass.select_(ok, idx, Int32(-1)))
+            okmask = self._drain_rows(mIdx, s_idx, b, q, topk, topk_len, s_kv, rows)
             # one private workspace row per (token, 128-head group, slot); the CTAs fill disjoint dims
             det_row0 = (s_idx * n_hgrp + h_grp) * topk + b * B_TOPK + q
             for j in cutlass.range_constexpr(len(self.plan2.round_dims)):
@@ -823,18 +815,5 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                     if const_expr(hf == halves - 1):
                         dev.tcgen05_fence_before_thread_sync()
                         dev.arrive_cta0(mbar + MB_DKV_EMPTY + buf)
-                    for g0 in cutlass.range_constexpr(cols // 4):
-                        transpose_quad(rKV, 4 * g0, q)
-                    if 32 * wq >= store_row:
-                        round_off = Int64(self.plan2.round_dims[j] * 4)
-                        for g0 in cutlass.range_constexpr(cols // 4):
-                            g = hf * (cols // 4) + g0
-                            v = (rKV[4 * g0], rKV[4 * g0 + 1], rKV[4 * g0 + 2], rKV[4 * g0 + 3])
-                            if const_expr(self.deterministic):
-                                if (okmask >> Uint32(g)) & Uint32(1) != Uint32(0):
-                                    addr = ws_base + Int64(det_row0 + 4 * g) * Int64(row_bytes) + round_off
-                                    dev.st_global_v4_f32(addr, v[0], v[1], v[2], v[3])
-                            else:
-                                if rows[g] >= 0:
-                                    addr = ws_base + Int64(rows[g]) * Int64(row_bytes) + round_off
-                                    dev.red_add_v4_f32_hint(addr, v[0], v[1], v[2], v[3], policy)
+                    self._drain_scatter(rKV, hf, cols, q, 32 * wq >= store_row, Int64(self.plan2.round_dims[j] * 4),
+                                        okmask, rows, det_row0, ws_base, row_bytes, policy)
