@@ -279,3 +279,40 @@ def run_bwd_and_check(case, monkeypatch, backend: str, *, deterministic=False, a
         assert rel_l2(a, want[3]) <= 1e-3, f"attn_sum rel L2 {rel_l2(a, want[3]):.3g}"
         assert (a[~valid] == 0).all(), "invalid slots must give attn_sum == 0"
     return got
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the sm100 tests: the DSL import, the smem layout the cp.async writers produce, the
+# compile report tool
+# ---------------------------------------------------------------------------------------------
+
+
+def needs_cutlass():
+    """The CuTe DSL module, or skip the test (stated reason) where it is not installed."""
+    return pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+
+
+def sw128(byte_off: int) -> int:
+    """The 128-byte swizzle on a 1024-byte aligned buffer: 16-byte chunk ^= row % 8."""
+    return byte_off ^ (((byte_off >> 7) & 7) << 4)
+
+
+def tile_offset(row: int, col: int, rows: int = 64) -> int:
+    """Where KvGather / copy_dense_rows (and the kernels' P/dS row stores) put element (row, col)
+    of a [rows x d] bf16 block: tile col//64 at rows*128 bytes, row at 128 bytes, 16-byte chunk
+    (col%64)//8 swizzled with row % 8."""
+    t, c = divmod(col, 64)
+    return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
+
+
+def compile_report_module():
+    """``tools/compile_report.py`` as a module (skips without the DSL)."""
+    import importlib.util
+
+    needs_cutlass()
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location("compile_report", os.path.join(root, "tools", "compile_report.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -21,13 +19,12 @@ import torch
 from mla_kernels.common.problem import Problem
 
 from conftest import make_case, rel_l2, skip_unless_sm100
+from conftest import compile_report_module as _compile_report
+from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _writer_offset
 
 SMEM_LIMIT = 232448
 CONFIGS = [(d, h) for d in (576, 512) for h in (64, 128)]
 
-
-def _cutlass():
-    return pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,16 +116,6 @@ def test_backend_supports_attn_dist(h_q, d_qk):
 # ---------------------------------------------------------------------------------------------
 
 
-def _sw128(byte_off: int) -> int:
-    """The 128-byte swizzle on a 1024-byte aligned buffer: 16-byte chunk ^= row % 8."""
-    return byte_off ^ (((byte_off >> 7) & 7) << 4)
-
-
-def _writer_offset(row: int, col: int, rows: int) -> int:
-    """Where KvGather/copy_dense_rows put element (row, col) of a [rows x d] block: tile col//64
-    at rows*128 bytes, row at 128 bytes, 16-byte chunk (col%64)//8 swizzled with row % 8."""
-    t, c = divmod(col, 64)
-    return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
 
 
 @pytest.mark.parametrize("d_qk,heads", [(576, 128), (512, 64)])
@@ -210,14 +197,6 @@ def test_tmem_load_gives_thread_t_token_t_all_heads(heads, trace_for_sm100):
 # Compile report (no GPU): SASS facts and resource use
 # ---------------------------------------------------------------------------------------------
 
-
-def _compile_report():
-    _cutlass()
-    root = os.path.join(os.path.dirname(__file__), "..")
-    spec = importlib.util.spec_from_file_location("compile_report", os.path.join(root, "tools", "compile_report.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 SM100_KERNELS = ("sm100_attn_dist_d576_h128", "sm100_attn_dist_d576_h64_topklen_norm", "sm100_attn_dist_d512_h128")

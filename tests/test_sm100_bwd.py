@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -24,12 +22,11 @@ import torch
 from mla_kernels.common.problem import Problem
 
 from conftest import make_case, run_bwd_and_check, skip_unless_sm100
+from conftest import compile_report_module as _compile_report
+from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _writer_offset
 
 SMEM_LIMIT = 232448
 
-
-def _cutlass():
-    return pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,17 +138,6 @@ def test_host_driver_is_shared():
 # ---------------------------------------------------------------------------------------------
 
 
-def _sw128(byte_off: int) -> int:
-    """The 128-byte swizzle on a 1024-byte aligned buffer: 16-byte chunk ^= row % 8."""
-    return byte_off ^ (((byte_off >> 7) & 7) << 4)
-
-
-def _writer_offset(row: int, col: int, rows: int = 64) -> int:
-    """Where KvGather/copy_dense_rows (and the math warps' P/dS stores) put element (row, col) of
-    a [rows x d] block: tile col//64 at rows*128 bytes, row at 128 bytes, 16-byte chunk
-    (col%64)//8 swizzled with row % 8."""
-    t, c = divmod(col, 64)
-    return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])
@@ -253,14 +239,6 @@ def test_tmem_loads_give_the_assumed_rows(trace_for_sm100):
 # Compile report (no GPU): SASS facts and resource use
 # ---------------------------------------------------------------------------------------------
 
-
-def _compile_report():
-    _cutlass()
-    root = os.path.join(os.path.dirname(__file__), "..")
-    spec = importlib.util.spec_from_file_location("compile_report", os.path.join(root, "tools", "compile_report.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

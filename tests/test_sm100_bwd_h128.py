@@ -23,33 +23,21 @@ kernel).  Never run: no Blackwell GPU.  What is proven without one:
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 
 from conftest import make_case, rel_l2, skip_unless_sm100
+from conftest import compile_report_module as _compile_report
+from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _rowtile_offset
 
 SMEM_LIMIT = 232448
 
 
-def _cutlass():
-    return pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
-
-
-def _sw128(byte_off: int) -> int:
-    return byte_off ^ (((byte_off >> 7) & 7) << 4)
 
 
 def _sw64(byte_off: int) -> int:
     return byte_off ^ (((byte_off >> 7) & 3) << 4)
 
-
-def _rowtile_offset(row: int, col: int, rows: int) -> int:
-    """Byte offset of element (row, col) of a [rows x d] bf16 block stored as [rows x 64] SW128
-    tiles (how KvGather / copy_dense_rows / the dS stores write)."""
-    t, c = divmod(col, 64)
-    return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,14 +329,6 @@ def test_tmem_accumulator_folds(trace_for_sm100):
 # Compile report
 # ---------------------------------------------------------------------------------------------
 
-
-def _compile_report():
-    _cutlass()
-    root = os.path.join(os.path.dirname(__file__), "..")
-    spec = importlib.util.spec_from_file_location("compile_report", os.path.join(root, "tools", "compile_report.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # (the report's sm100_bwd_d512_h128_2cta_topklen_dlse and _asum variants pass the same checks;

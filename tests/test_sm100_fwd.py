@@ -21,8 +21,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -30,12 +28,11 @@ import torch
 from mla_kernels.common.problem import Problem
 
 from conftest import assert_close_fwd, make_case, skip_unless_sm100
+from conftest import compile_report_module as _compile_report
+from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _writer_offset
 
 SMEM_LIMIT = 232448
 
-
-def _cutlass():
-    return pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,15 +146,6 @@ def test_backend_fwd_reasons(kw, reason):
 # ---------------------------------------------------------------------------------------------
 
 
-def _sw128(byte_off: int) -> int:
-    """The 128-byte swizzle on a 1024-byte aligned buffer: 16-byte chunk ^= row % 8."""
-    return byte_off ^ (((byte_off >> 7) & 7) << 4)
-
-
-def _writer_offset(row: int, col: int, rows: int) -> int:
-    """Where KvGather/copy_dense_rows put element (row, col) of a [rows x d] block."""
-    t, c = divmod(col, 64)
-    return t * rows * 128 + row * 128 + (((c // 8) ^ (row % 8)) * 16) + (c % 8) * 2
 
 
 def _mmas(cute):
@@ -760,14 +748,6 @@ def test_sync_protocol_model_catches_faults(fault):
 # Compile report (no GPU): SASS facts and resource use
 # ---------------------------------------------------------------------------------------------
 
-
-def _compile_report():
-    _cutlass()
-    root = os.path.join(os.path.dirname(__file__), "..")
-    spec = importlib.util.spec_from_file_location("compile_report", os.path.join(root, "tools", "compile_report.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 FWD_KERNELS = {  # name: (d_qk, sink, 2-CTA)
