@@ -46,6 +46,15 @@ def fwd_head_groups(h_q: int) -> int:
 ENV_FWD_KERNEL = "MLA_KERNELS_SM100_FWD"
 
 
+def kernel_choice(env: str) -> str:
+    """The bring-up knob ``env`` (:data:`ENV_FWD_KERNEL` / :data:`ENV_BWD_KERNEL`): ``auto``
+    (default), ``1cta`` or ``2cta``; anything else raises."""
+    choice = os.environ.get(env, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "1cta", "2cta"):
+        raise ValueError(f"{env}={choice!r}: expected auto, 1cta or 2cta")
+    return choice
+
+
 def fwd_two_cta(h_q: int) -> bool:
     """Which forward kernel serves ``h_q``: the 2-CTA one (``fwd_h128.py``, clusters of two
     64-head CTAs) when h_q is a multiple of 128, else the 1-CTA one (``fwd.py``).
@@ -53,10 +62,7 @@ def fwd_two_cta(h_q: int) -> bool:
     ``MLA_KERNELS_SM100_FWD=1cta`` forces the 1-CTA kernel for every h_q (``2cta`` insists on the
     2-CTA one where h_q allows it): both are compile-proven only, so the first hardware run may
     need to tell them apart."""
-    choice = os.environ.get(ENV_FWD_KERNEL, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "1cta", "2cta"):
-        raise ValueError(f"{ENV_FWD_KERNEL}={choice!r}: expected auto, 1cta or 2cta")
-    return h_q % 128 == 0 and choice != "1cta"
+    return kernel_choice(ENV_FWD_KERNEL) != "1cta" and h_q % 128 == 0
 
 
 def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_100a",
@@ -101,10 +107,7 @@ def bwd_two_cta(h_q: int) -> bool:
     cluster, dKV summed over the pair before its scatter) when h_q is a multiple of 128, else the
     1-CTA one (``bwd.py``, 64 heads per CTA).  ``MLA_KERNELS_SM100_BWD=1cta`` forces the 1-CTA
     kernel for every h_q; both are compile-proven only."""
-    choice = os.environ.get(ENV_BWD_KERNEL, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "1cta", "2cta"):
-        raise ValueError(f"{ENV_BWD_KERNEL}={choice!r}: expected auto, 1cta or 2cta")
-    return h_q % 128 == 0 and choice != "1cta"
+    return kernel_choice(ENV_BWD_KERNEL) != "1cta" and h_q % 128 == 0
 
 
 def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = False,
@@ -139,7 +142,7 @@ class Sm100Backend(CuteKernelBackend):
     @property
     def bwd_name(self) -> str:
         """The backward's compile-cache key: the bring-up knob can switch the kernel of an h_q."""
-        return "SparseMlaBwdSm100/" + (os.environ.get(ENV_BWD_KERNEL, "auto").strip().lower() or "auto")
+        return "SparseMlaBwdSm100/" + kernel_choice(ENV_BWD_KERNEL)
 
     def device_reason(self, major: int, minor: int) -> Optional[str]:
         if major != 10:
