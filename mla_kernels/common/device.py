@@ -270,6 +270,39 @@ class HalfBufferBarriers:
         cute.arch.mbarrier_arrive(self.free)
 
 
+class PhaseSignal:
+    """An mbarrier used as a one-way, once-per-iteration signal from one thread group to another.
+
+    Every thread of the sending group calls :meth:`arrive` after its shared-memory writes (the
+    arrive releases *this thread's* earlier accesses, so each writer must arrive itself -- an
+    elected lane arriving for its warp would leave the other lanes' writes unordered); the
+    receiving group calls :meth:`wait` with the iteration's parity before it reads.  The sender
+    must not arrive for iteration ``i + 1`` before the receiver has waited on ``i`` (a parity wait
+    cannot tell phase ``p`` from ``p + 2``): the kernels guarantee it with a signal in the other
+    direction.  Used instead of a named ``bar.arrive``/``bar.sync`` pair because the PTX memory
+    model *and* compute-sanitizer's racecheck both see the release/acquire of an mbarrier, so a
+    buffer reused in the next iteration is provably free of write-after-read hazards.
+    """
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def init(self, senders: int) -> None:
+        cute.arch.mbarrier_init(self.ptr, senders)
+
+    def arrive(self) -> None:
+        cute.arch.mbarrier_arrive(self.ptr)
+
+    def wait(self, parity) -> None:
+        cute.arch.mbarrier_wait(self.ptr, parity)
+
+
 # ---------------------------------------------------------------------------------------------
 # Slot validity
 # ---------------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ MN_MAJ = OperandMajorMode.MN
 
 # Named barrier ids (0 is __syncthreads).
 BAR_P = 1  # WG0 stored P (WG0 arrives, WG1 waits)
-BAR_DS = 2  # WG1 stored dS (both sync)
+BAR_DS = 2  # WG1 stored dS (WG1 arrives, WG0 waits)
+BAR_DS_WG1 = 7  # WG1 only: all of dS stored before WG1's own products read it
 BAR_DKV_DONE = 3  # WG1's dKV products finished reading P/dS (WG1 arrives, WG0 waits)
 BAR_ASUM = 4  # WG0 only: attention-sum partials in smem
 BAR_EPI = 5  # both: dQ epilogue
@@ -506,7 +507,11 @@ class SparseMlaBwdSm90:
                 rPb.store(acc_s.load().to(BFloat16))
                 cute.copy(thr_st, thr_st.retile(rPb), tDSsDS)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=256)
+                # One-way hand-off to WG0 plus WG1's own sync: a bar.sync that both warpgroups
+                # reached from different code locations is what synccheck reports as divergent
+                # (barrier.sync.aligned wants one instruction per barrier instance).
+                cute.arch.barrier_arrive(barrier_id=BAR_DS, number_of_threads=256)
+                cute.arch.barrier(barrier_id=BAR_DS_WG1, number_of_threads=128)
                 # dQ[:, 256:512] += dS K[:, 256:512]
                 cute.nvgpu.warpgroup.fence()
                 self._gemm(K_MAJ, MN_MAJ, 256, acc_dq, tDQrDS, tDQrK, 0, 4, False)
