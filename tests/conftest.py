@@ -76,6 +76,19 @@ def _hang_guard(request):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Compiled kernels and first-use verdicts go to a directory of this test session, never to
+    the user's cache (``MLA_KERNELS_CACHE_DIR``)."""
+    old = os.environ.get("MLA_KERNELS_CACHE_DIR")
+    os.environ["MLA_KERNELS_CACHE_DIR"] = str(tmp_path_factory.mktemp("mla_kernels_cache"))
+    yield
+    if old is None:
+        os.environ.pop("MLA_KERNELS_CACHE_DIR", None)
+    else:
+        os.environ["MLA_KERNELS_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dispatch_state(monkeypatch):
     """Each test starts with no cached warnings/canary results and poisoned kernel outputs."""
