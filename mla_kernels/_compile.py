@@ -60,6 +60,23 @@ _lock = threading.Lock()
 #: :func:`compile_kernel` stores (and looks up) its result on disk, and a call counter.
 _persist: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("mla_kernels_persist", default=None)
 _stats = {"compiled": 0, "loaded": 0, "stored": 0, "rebuilt": 0}
+#: Seconds spent per phase of the process's compile-cache misses (``first_call_phases()``).
+_phases: Dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def _phase(name: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _phases[name] = _phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def first_call_phases() -> Dict[str, float]:
+    """Seconds this process spent importing the DSL, fingerprinting, compiling, exporting and
+    loading kernels (where a first call's time goes)."""
+    return {k: round(v, 4) for k, v in _phases.items()}
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -107,10 +124,11 @@ def compile_kernel(
     options = " ".join(opts)
 
     def compile_now():
-        import cutlass.cute as cute
-
+        with _phase("import_dsl"):
+            import cutlass.cute as cute
         _stats["compiled"] += 1
-        return cute.compile(fn, *args, options=options)
+        with _phase("compile"):
+            return cute.compile(fn, *args, options=options)
 
     scope = _persist.get()
     store = disk_store() if scope is not None and tvm_ffi and not (keep or dump_dir or extra_options) else None
@@ -229,7 +247,8 @@ def _dsl_load(path: str):
     global _runtime_preloaded
     import ctypes
 
-    import cutlass.cute as cute
+    with _phase("import_dsl"):
+        import cutlass.cute as cute
 
     if not _runtime_preloaded:
         # The DSL runtime's symbols must be globally visible to the loaded object in a process
@@ -323,7 +342,8 @@ class DiskStore:
         if len(data) != info.get("size") or hashlib.sha256(data).hexdigest() != info.get("sha256"):
             return None, "object file does not match its recorded SHA-256"
         try:
-            fn = self.load(str(obj))
+            with _phase("load"):
+                fn = self.load(str(obj))
         except Exception as e:
             return None, f"load failed ({type(e).__name__}: {e})"
         _stats["loaded"] += 1
@@ -340,7 +360,8 @@ class DiskStore:
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{obj.name}.", suffix=".o")
         os.close(fd)
         try:
-            self.export(compiled, tmp)
+            with _phase("export"):
+                self.export(compiled, tmp)
             data = Path(tmp).read_bytes()
             os.replace(tmp, obj)
         finally:
@@ -398,5 +419,6 @@ def disk_store() -> Optional[DiskStore]:
         return None
     st = _stores.get((str(root),))
     if st is None:
-        st = _stores[(str(root),)] = DiskStore(root)
+        with _phase("fingerprint"):
+            st = _stores[(str(root),)] = DiskStore(root)
     return st

@@ -199,7 +199,7 @@ _FIRST_CALL = textwrap.dedent("""
     t_second = time.perf_counter() - t0
     print("RESULT " + json.dumps(dict(import_s=t_import, first_call_s=t_first, second_call_s=t_second,
                                       checksum=out.float().sum().item(), equal=bool(torch.equal(out, out2)),
-                                      **_compile.cache_info())))
+                                      phases=_compile.first_call_phases(), **_compile.cache_info())))
 """)
 
 
@@ -218,7 +218,7 @@ def test_second_process_loads_the_compiled_kernel_from_disk(tmp_path):
     warm2 = _first_call(tmp_path)
     print(f"\nfirst call, cold cache: {cold['first_call_s']:.3f} s; warm: {warm['first_call_s']:.3f} s, "
           f"{warm2['first_call_s']:.3f} s (import {warm['import_s']:.2f} s; second call "
-          f"{warm['second_call_s'] * 1e3:.2f} ms)")
+          f"{warm['second_call_s'] * 1e3:.2f} ms)\nphases cold {cold['phases']}\nphases warm {warm['phases']}")
     assert cold["compiled"] >= 1 and cold["stored"] >= 1
     assert warm["compiled"] == 0 and warm["loaded"] >= 1 and warm2["compiled"] == 0
     assert warm["checksum"] == cold["checksum"] and warm["equal"]

@@ -501,6 +501,9 @@ def plot(rows, path, title, device):
 
 
 def _commit() -> str:
+    """The repository's short commit (``$MLA_KERNELS_COMMIT`` where the checkout has no git)."""
+    if os.environ.get("MLA_KERNELS_COMMIT"):
+        return os.environ["MLA_KERNELS_COMMIT"]
     try:
         r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                            timeout=10)
