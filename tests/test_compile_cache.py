@@ -171,7 +171,7 @@ def test_real_kernel_round_trip_through_export_and_load(monkeypatch, tmp_path):
         assert _compile.cache_info()["compiled"] == after_warm["compiled"] + 1
         # compile_report-style compiles (artifacts wanted) never touch the store
         n = len(list(tmp_path.rglob("*.json")))
-        _compile.cached_compile(key + ("keep",), lambda: compile_probe("sm_90a", keep=True))
+        _compile.cached_compile(key + ("keep",), lambda: compile_probe("sm_90a", keep=True, dump_dir=str(tmp_path / "dump")))
         assert len(list(tmp_path.rglob("*.json"))) == n
     finally:
         _compile.clear_cache()
