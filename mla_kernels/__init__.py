@@ -8,11 +8,16 @@ Public API:
 * :func:`sparse_mla` -- the autograd op (``out`` or ``(out, lse)``);
 * :func:`backend_for` -- which backend serves a device (``"sm90"``, ``"sm100"``, ``"reference"``);
 * :class:`AttnSum` -- holder receiving ``attn_sum`` from the autograd backward.
+
+Importing the package also registers the ops as ``torch.library`` custom ops
+(``torch.ops.mla_kernels.sparse_mla_fwd``, ``attn_dist``, ``sparse_mla_bwd``; see
+:mod:`mla_kernels.ops`): ``torch.compile`` and ``torch.export`` trace through them.
 """
 
 from .api import attn_dist, sparse_mla_bwd, sparse_mla_fwd
 from .autograd import AttnSum, sparse_mla
 from .dispatch import BackendUnavailableError, backend_for
+from . import ops  # noqa: F401,E402  (registers torch.ops.mla_kernels.*)
 
 __version__ = "0.1.0"
 

@@ -130,6 +130,11 @@ class CuteKernelBackend(Backend):
     compile_bwd = None  # the backward's compile function (same arguments on every arch)
     bwd_name = ""  # its compile-cache key
 
+    @property
+    def import_spec(self) -> str:
+        """Where a first-use check process finds this backend (``mla_kernels.sm100:BACKEND``)."""
+        return f"{type(self).__module__}:BACKEND"
+
     # -- shared ---------------------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         if device.type != "cuda":
