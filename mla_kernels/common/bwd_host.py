@@ -16,7 +16,8 @@ without a sink; ``+inf`` on empty rows):
 
 dKV: the default kernel adds every slot's row into a float32 ``[s_kv, d_qk]`` workspace with
 16-byte float atomics (fast; the order of additions, hence the last bits, varies from run to run);
-one ``.to(bfloat16)`` converts it.  ``deterministic=True`` runs the same kernel writing each
+one ``.to(bfloat16)`` converts it (and :func:`natural_columns` undoes the kernel's column order
+within 16-column groups when the kernel declares one, ``ws_col_perm``).  ``deterministic=True`` runs the same kernel writing each
 (token, head block, slot) row to its own workspace row instead (head block: 64 heads, or 128 for a
 kernel whose ``ws_row_heads`` says so -- the sm100 2-CTA kernel) (no atomics), in waves of tokens
 bounded by :data:`DET_WORKSPACE_BYTES`; the rows are then summed per kv row in a fixed order
@@ -133,12 +134,30 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
             launch(c0, c1, ws)
             reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_rblk)
 
-    dkv = dkv_acc.to(p.dtype)
+    dkv = natural_columns(dkv_acc.to(p.dtype), getattr(kernel, "ws_col_perm", None))
     d_sink = d_attn_sink(p, lse_eff, delta) if p.attn_sink is not None else None
     res = (dq, dkv, d_sink)
     if return_attn_sum:
         res = res + (asum_parts.sum(dim=1) if n_hblk > 1 else asum_parts[:, 0],)
     return res
+
+
+_PERM_CACHE: dict = {}
+
+
+def natural_columns(ws: torch.Tensor, perm) -> torch.Tensor:
+    """Undo a kernel's workspace column order: ``perm`` (or None: natural order) gives, for each
+    natural column of a group of ``len(perm)`` columns, its position in the workspace group
+    (the sm90 backward stores 16-column groups permuted so that its atomics need fewer shuffles)."""
+    if perm is None:
+        return ws
+    n = len(perm)
+    key = (tuple(perm), ws.device)
+    idx = _PERM_CACHE.get(key)
+    if idx is None:
+        idx = _PERM_CACHE[key] = torch.tensor(perm, dtype=torch.long, device=ws.device)
+    rows, d = ws.shape
+    return ws.view(rows, d // n, n).index_select(2, idx).reshape(rows, d)
 
 
 def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
