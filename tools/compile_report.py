@@ -62,6 +62,7 @@ def kernels_for(arch):
             ("sm90_bwd_d576_h128_det", lambda a, **kw: compile_bwd(576, 128, False, deterministic=True, arch=a, **kw)),
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
+            ("segment_sum_d576_bf16", lambda a, **kw: compile_segment_sum(576, a, bf16_rows=True, **kw)),
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     if arch in ("sm_100a", "sm_103a"):

@@ -76,6 +76,10 @@ class SparseMlaBwdSm90:
     #: The float32 dKV workspace's column order within 16-column groups (see :class:`_Scatter`);
     #: ``common.bwd_host`` undoes it when it converts the workspace.
     ws_col_perm = None  # set below, once WS_COL_PERM is defined
+    #: Deterministic mode: each (token, head block, slot) row is stored as bfloat16 (rounded once;
+    #: the host's fixed-order sum is float32).  Half of the float32 rows' HBM traffic, which is
+    #: what bounds that mode.
+    det_ws_dtype = None  # torch.bfloat16, set by the backend (kernels do not import torch)
 
     def __init__(
         self,
@@ -138,7 +142,7 @@ class SparseMlaBwdSm90:
         mDeltaOut: cute.Tensor,  # [s_q, h_q] f32 out: rowsum(O dO) (for d_attn_sink)
         mAsumScale: cute.Tensor,  # [s_q, h_q] f32: exp(lse' - lse) (read only if attn_sum_scaled)
         mDQ: cute.Tensor,  # [s_q, h_q, d_qk] bf16
-        mWs: cute.Tensor,  # f32 [s_kv, d_qk] (atomic) or [s_q * n_hblk * topk, d_qk] (deterministic)
+        mWs: cute.Tensor,  # f32 [s_kv, d_qk] (atomic) or bf16 [s_q * n_hblk * topk, d_qk] (deterministic)
         mAsum: cute.Tensor,  # f32 [s_q, n_hblk, topk] (written only if attn_sum)
         scale_log2: Float32,  # sm_scale * log2(e)
         sm_scale: Float32,
@@ -668,8 +672,9 @@ class _Scatter:
         r8 = lane // 4
         self.odd = (r8 & 1) != 0
         self.row_pair = (idx_in_wg // 32) * 16 + (r8 & 6)  # the even row of this lane pair
-        self.ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((16 * (r8 & 1) + 4 * (lane % 4)) * 4)
-        self.row_bytes = kernel.d_qk * 4
+        self.elem = 2 if kernel.deterministic else 4  # workspace bytes per value (bf16 per-slot rows)
+        self.ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((16 * (r8 & 1) + 4 * (lane % 4)) * self.elem)
+        self.row_bytes = kernel.d_qk * (2 if kernel.deterministic else 4)
         self.ws_evict_last = kernel.ws_evict_last
         self.policy = Int64(0)
         if kernel.ws_evict_last:
@@ -692,9 +697,9 @@ class _Scatter:
             dst = Int64(kv_row)
             if const_expr(self.deterministic):
                 dst = Int64(self.det_row0 + b * B_TOPK + row)
-            addr = self.ws_base + dst * Int64(self.row_bytes) + Int64(col_off * 4)
+            addr = self.ws_base + dst * Int64(self.row_bytes) + Int64(col_off * self.elem)
             if const_expr(self.deterministic):
-                dev.st_global_v4_f32(addr, v0, v1, v2, v3)
+                dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
             elif const_expr(self.ws_evict_last):
                 dev.red_add_v4_f32_hint(addr, v0, v1, v2, v3, self.policy)
             else:
