@@ -687,7 +687,8 @@ def sparse_mla_decode(
             positions, ``pos // page_size >= max_pages`` and entries outside ``[0, num_pages)``
             are invalid slots (no error: checking values would synchronise with the device).
         q_bias: ``[b, h_q, d_qk]``: added to every query of request ``b`` before ``q . k``
-            (Transformer-XL's content bias; fused into the kernel's Q load, rounded to q's dtype).
+            (Transformer-XL's content bias; fused into the kernel's Q load; ``q + q_bias`` is
+            rounded to q's dtype once, as ``q + q_bias`` in PyTorch would be).
         plan: a :func:`decode_plan` for this batch shape: no allocation, no host-device sync,
             CUDA-graph capturable.  Without it a plan is made for the call (allocates; compiles
             on first use of a configuration).

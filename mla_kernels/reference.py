@@ -381,7 +381,7 @@ def sparse_mla_decode_ref(
     ``[n, d_qk]`` / ``[n, 1, d_qk]`` cache: one page of ``n`` rows); ``indices [b, s_q, topk]``
     (physical ids, or logical positions with ``block_table``, see :func:`decode_physical_indices`);
     ``topk_length [b]`` (per request) or ``[b, s_q]``; ``q_bias [b, h_q, d_qk]`` added to every
-    query of request ``b`` before ``q.k`` (in the compute dtype, not rounded).
+    query of request ``b`` before ``q.k`` (the sum rounded to q's dtype once).
 
     Returns ``(out [b, s_q, h_q, d_v]`` in q's dtype, ``lse [b, s_q, h_q])`` -- and ``max_logits``
     third with ``with_max_logits``.
@@ -396,7 +396,9 @@ def sparse_mla_decode_ref(
     cdt = compute_dtype(q.dtype)
     qf = q.to(cdt)
     if q_bias is not None:
-        qf = qf + q_bias.to(cdt)[:, None]
+        # q + q_bias in q's dtype (rounded once), as a caller adding it before the call would
+        # get -- and as the kernels' fused Q load computes it
+        qf = (qf + q_bias.to(cdt)[:, None]).to(q.dtype).to(cdt)
     tl = None
     if topk_length is not None:
         tl = topk_length.reshape(b, -1).expand(b, s_q).reshape(-1)
