@@ -655,6 +655,48 @@ def _decode_inputs(plan: Optional[DecodePlan], q, kv_cache, indices, sm_scale, d
     return q, kv_cache.detach(), indices, sm_scale, tl, sink, bt, bias, page_size
 
 
+def _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias) -> bool:
+    """The per-call check of a planned decode (host time matters here: a few attribute reads per
+    tensor).  True when every input already is what the kernels take as it is -- right shapes,
+    dtypes and device, contiguous, 16-byte aligned, no autograd; anything else (including every
+    error case) goes through :func:`_decode_inputs`, which raises with a clear message or
+    normalises."""
+    try:
+        f = plan.fast  # precomputed by DecodePlan.allocate
+        dev, dt = f.dev, f.dtype
+        if not (type(sm_scale) is float and sm_scale > 0 and d_v == f.d_v
+                and q.shape == f.q_shape and q.dtype == dt and q.get_device() == dev and q.is_contiguous()
+                and not q.requires_grad and q.data_ptr() % 16 == 0
+                and indices.shape == f.idx_shape and indices.dtype == torch.int32 and indices.get_device() == dev
+                and indices.is_contiguous()
+                and kv_cache.dtype == dt and kv_cache.get_device() == dev and kv_cache.is_contiguous()
+                and not kv_cache.requires_grad and kv_cache.data_ptr() % 16 == 0
+                and kv_cache.shape[-1] == f.d_qk and kv_cache.numel() < f.max_kv_numel):
+            return False
+        kd = kv_cache.dim()
+        if not (kd == 2 or (kd == 4 and kv_cache.shape[2] == 1)):
+            return False
+        if topk_length is not None and not (
+                topk_length.dtype == torch.int32 and topk_length.shape in f.tl_shapes
+                and topk_length.get_device() == dev and topk_length.is_contiguous()):
+            return False
+        if attn_sink is not None and not (
+                attn_sink.dtype == f.sink_dtype and attn_sink.shape == f.sink_shape and attn_sink.get_device() == dev
+                and attn_sink.is_contiguous() and not attn_sink.requires_grad):
+            return False
+        if block_table is not None and not (
+                block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == f.b
+                and block_table.shape[1] >= 1 and block_table.get_device() == dev and block_table.is_contiguous()):
+            return False
+        if q_bias is not None and not (
+                q_bias.shape == f.bias_shape and q_bias.dtype == dt and q_bias.get_device() == dev
+                and q_bias.is_contiguous() and not q_bias.requires_grad and q_bias.data_ptr() % 16 == 0):
+            return False
+        return True
+    except (AttributeError, TypeError):  # not a plan / not a tensor: the full check says what
+        return False
+
+
 def sparse_mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -698,6 +740,9 @@ def sparse_mla_decode(
         rows with no valid slot give ``out = 0``, ``lse = +inf``.  With a plan these are the
         plan's buffers (overwritten by its next call).
     """
+    if plan is not None and _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink,
+                                             block_table, q_bias):
+        return plan.backend.decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias)
     args = _decode_inputs(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias)
     if plan is None:
         q, indices = args[0], args[2]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -98,6 +99,8 @@ class DecodePlan:
     max_logits_parts: Optional[torch.Tensor] = None
     #: backend-owned state (compiled kernels, placeholders, cached views)
     state: Dict[str, Any] = field(default_factory=dict)
+    #: what the per-call check compares against (set by ``allocate``)
+    fast: Any = None
 
     @property
     def backend_name(self) -> str:
@@ -106,6 +109,27 @@ class DecodePlan:
     @property
     def q_shape(self) -> Tuple[int, int, int, int]:
         return (self.b, self.s_q, self.h_q, self.d_qk)
+
+    @property
+    def device_index(self) -> int:
+        """``tensor.get_device()`` of tensors on the plan's device (-1 on the CPU)."""
+        return -1 if self.device.type == "cpu" else (self.device.index or 0)
+
+    @property
+    def indices_shape(self) -> Tuple[int, int, int]:
+        return (self.b, self.s_q, self.topk)
+
+    @property
+    def topk_length_shapes(self):
+        return ((self.b,), (self.b, self.s_q))
+
+    @property
+    def sink_shape(self) -> Tuple[int]:
+        return (self.h_q,)
+
+    @property
+    def bias_shape(self) -> Tuple[int, int, int]:
+        return (self.b, self.h_q, self.d_qk)
 
     @property
     def split(self) -> bool:
@@ -121,8 +145,16 @@ class DecodePlan:
         return 0
 
     def allocate(self) -> None:
-        """The plan's buffers (called once, when the plan is made)."""
+        """The plan's buffers (called once, when the plan is made), and the values the per-call
+        check compares against (``fast``)."""
         dev, T = self.device, self.b * self.s_q
+        self.fast = SimpleNamespace(
+            dev=self.device_index, dtype=self.dtype, d_v=self.d_v, d_qk=self.d_qk, b=self.b,
+            q_shape=torch.Size(self.q_shape), idx_shape=torch.Size(self.indices_shape),
+            tl_shapes=tuple(torch.Size(s) for s in self.topk_length_shapes), sink_shape=torch.Size(self.sink_shape),
+            sink_dtype=_lse_dtype(self.dtype), bias_shape=torch.Size(self.bias_shape),
+            max_kv_numel=(2**31) * self.d_qk,
+        )
         self.out = torch.zeros(self.b, self.s_q, self.h_q, self.d_v, dtype=self.dtype, device=dev)
         self.lse = torch.zeros(self.b, self.s_q, self.h_q, dtype=_lse_dtype(self.dtype), device=dev)
         if self.with_max_logits:
