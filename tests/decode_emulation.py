@@ -87,7 +87,7 @@ def make_combine(d_v: int, in_dtype: str, out_dtype: str, calls: Calls):
 def emulated_compilers(calls: Calls):
     """``(compile_wide, compile_narrow, compile_combine)`` as ``prepare_decode`` takes them."""
     return (
-        lambda d_qk, h_q, split, arch: (None, make_decode_kernel(d_qk, h_q, split, calls)),
-        lambda d_qk, h_q, split, arch: (None, make_decode_kernel(d_qk, h_q, split, calls)),
-        lambda d_v, i, o, arch: (None, make_combine(d_v, i, o, calls)),
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls)),
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls)),
+        lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
     )

@@ -197,6 +197,11 @@ def rows(args):
     cpu = getattr(args, "cpu", False) or not torch.cuda.is_available()
     quick = getattr(args, "quick", False) or cpu
     only = getattr(args, "cases", "") or ""
+    forced_splits = getattr(args, "num_splits", None)
+    physical = getattr(args, "physical", False)
+    from mla_kernels.common.decode_host import decode_knobs
+
+    knobs = dict(zip(("pdl", "l2_prefetch"), decode_knobs()))
     device = torch.device("cpu" if cpu else "cuda")
     dtype = torch.float32 if cpu else torch.bfloat16
     if cpu:
@@ -222,19 +227,29 @@ def rows(args):
     for name, b, s_q, h_q, topk, _, _ in cases:
         sets = make_sets(n_sets, b, s_q, h_q, topk, seq_len, device, dtype)
         bt = bt_all[:b].contiguous()
-        plan = mk.decode_plan(b, s_q, h_q, topk, device=device, dtype=dtype)
+        plan = mk.decode_plan(b, s_q, h_q, topk, device=device, dtype=dtype, num_splits=forced_splits)
+        if physical:  # FlashMLA's convention: physical ids, no block table in the kernel
+            sets = [(q, (bt.long().gather(1, (pos.long() // page_size).reshape(b, -1)).reshape(pos.shape) * page_size
+                         + pos.long() % page_size).to(torch.int32)) for q, pos in sets]
+            bt = None
 
         def call(i, plan=plan, sets=sets, bt=bt):
             q, pos = sets[i]
             return mk.sparse_mla_decode(q, kv, pos, sm_scale, D_V, block_table=bt, plan=plan)
 
+        def call_backend(i, plan=plan, sets=sets, bt=bt):  # the launches alone (no API checks)
+            q, pos = sets[i]
+            return plan.backend.decode(plan, q, kv, pos, sm_scale, None, None, bt, None)
+
         med, times = timer(call, n_sets, warmup, reps)
         host = host_time_us(call) if not cpu else None
+        host_be = host_time_us(call_backend) if not cpu else None
         row = dict(shape=name, op="decode", backend=plan.backend_name, gpu=gpu, b=b, s_q=s_q, h_q=h_q, topk=topk,
                    d_qk=D_QK, d_v=D_V, seq_len=seq_len, page_size=page_size, num_splits=plan.num_splits,
                    us=med, ms=med / 1e3, min_us=min(times), max_us=max(times), reps=reps,
                    tflops=flops(b, s_q, h_q, topk) / (med * 1e-6) / 1e12,
-                   gbps=gathered_bytes(b, s_q, topk) / (med * 1e-6) / 1e9, host_us=host)
+                   gbps=gathered_bytes(b, s_q, topk) / (med * 1e-6) / 1e9, host_us=host, host_launch_us=host_be,
+                   block_table=not physical, knobs=knobs)
         if hbm:
             row["hbm_pct"] = 100.0 * gathered_bytes(b, s_q, topk) / (med * 1e-6) / hbm
         if not cpu and h_q % 64 == 0 and not getattr(args, "no_fwd", False):
@@ -244,12 +259,14 @@ def rows(args):
                 row["fwd_us"] = fwd_med
             except Exception as e:  # report, keep going
                 print(f"  {name}: prefill forward failed: {type(e).__name__}: {e}")
+        if forced_splits or physical:
+            row["shape"] = name + (f"-n{plan.num_splits}" if forced_splits else "") + ("-phys" if physical else "")
         t_by_shape[(b, s_q, h_q)] = med
         out_rows.append(row)
         hbm_txt = f"  {row['hbm_pct']:5.1f}% HBM" if hbm else ""
         host_txt = f"  host {host:5.1f} us" if host is not None else ""
         fwd_txt = f"  prefill fwd {row['fwd_us']:8.1f} us" if "fwd_us" in row else ""
-        print(f"  {name:<20} {med:9.1f} us  {row['tflops']:7.1f} TFLOPS  {row['gbps']:7.0f} GB/s{hbm_txt}"
+        print(f"  {row['shape']:<20} {med:9.1f} us  {row['tflops']:7.1f} TFLOPS  {row['gbps']:7.0f} GB/s{hbm_txt}"
               f"  splits {plan.num_splits:3d}{host_txt}{fwd_txt}", flush=True)
         del sets, plan
     # the padded path for h_q < 64: the h_q 64 row of the same batch
@@ -272,15 +289,15 @@ def rows(args):
 
 
 def print_table(rs):
-    hdr = (f"{'shape':<20} {'us':>8} {'TFLOPS':>7} {'GB/s':>6} {'%HBM':>5} {'splits':>6} {'host us':>7} "
-           f"{'fwd us':>8} {'padded':>7} {'FlashMLA us':>11}")
+    hdr = (f"{'shape':<24} {'us':>8} {'TFLOPS':>7} {'GB/s':>6} {'%HBM':>5} {'splits':>6} {'host us':>7} "
+           f"{'launch':>6} {'fwd us':>8} {'padded':>7} {'FlashMLA us':>11}")
     print(hdr)
     print("-" * len(hdr))
     f = lambda v, w, p=1: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'--':>{w}}"
     for r in rs:
-        print(f"{r['shape']:<20} {f(r['us'], 8)} {f(r['tflops'], 7)} {f(r['gbps'], 6, 0)} {f(r.get('hbm_pct'), 5)} "
-              f"{r['num_splits']:>6} {f(r.get('host_us'), 7)} {f(r.get('fwd_us'), 8)} {f(r.get('x_vs_padded'), 7, 2)} "
-              f"{f(r.get('flashmla_us'), 11)}")
+        print(f"{r['shape']:<24} {f(r['us'], 8)} {f(r['tflops'], 7)} {f(r['gbps'], 6, 0)} {f(r.get('hbm_pct'), 5)} "
+              f"{r['num_splits']:>6} {f(r.get('host_us'), 7)} {f(r.get('host_launch_us'), 6)} {f(r.get('fwd_us'), 8)} "
+              f"{f(r.get('x_vs_padded'), 7, 2)} {f(r.get('flashmla_us'), 11)}")
 
 
 def main(argv=None):
@@ -292,6 +309,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--no-flashmla", action="store_true", help="do not run FlashMLA's anchor binary")
+    ap.add_argument("--num-splits", type=int, default=None, help="force the plans' split count")
+    ap.add_argument("--physical", action="store_true", help="physical ids instead of the block table")
     ap.add_argument("--no-fwd", action="store_true", help="do not time the prefill forward on the same tokens")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -302,7 +321,7 @@ def main(argv=None):
     print_table(rs)
     if args.json:
         meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, reps=args.reps, warmup=args.warmup,
-                    sets=args.sets)
+                    sets=args.sets, argv=sys.argv[1:] if argv is None else list(argv))
         with open(args.json, "w") as fh:
             json.dump(dict(meta=meta, rows=rs), fh, indent=1)
         print(f"wrote {args.json}")

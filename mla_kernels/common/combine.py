@@ -12,7 +12,10 @@ with the max subtracted first (numerically stable); an all-empty row gives ``out
 its ``out`` holds.  ``attn_sink [h]`` (head ``p % h``) is applied once, after the merge:
 ``out *= 1 / (1 + exp(sink - lse))`` (``= exp(lse) / (exp(lse) + exp(sink))``), ``lse`` untouched.
 
-This one kernel is both the decode path's split combine and ``merge_attn_partials``.
+This one kernel is both the decode path's split combine and ``merge_attn_partials``.  After a
+decode kernel it is launched with programmatic dependent launch (``pdl=True``): its CTAs may be
+scheduled while the decode kernel finishes and wait in ``griddepcontrol.wait`` (a no-op in a
+plain launch) until the decode grid has completed and its writes are visible.
 
 Work split: one warp per ``(row, column group)``; a column group is ``32 * vec`` columns (``vec``
 = one 16-byte vector of the input: 4 float32 or 8 bf16), one vector per lane, so a warp reads
@@ -43,7 +46,7 @@ def _dtype_of(name: str):
 class LseCombine:
     """Static configuration (``d_v``, input and output dtypes) + launcher + kernel."""
 
-    def __init__(self, d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16"):
+    def __init__(self, d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", pdl: bool = False):
         if in_dtype not in ("bf16", "f32") or out_dtype not in ("bf16", "f32"):
             raise ValueError(f"dtypes must be 'bf16' or 'f32', got {in_dtype!r} -> {out_dtype!r}")
         self.in_dtype = _dtype_of(in_dtype)
@@ -52,6 +55,7 @@ class LseCombine:
         if d_v % (32 * self.vec):
             raise ValueError(f"combine needs d_v % {32 * self.vec} == 0 for {in_dtype} parts, got {d_v}")
         self.d_v = d_v
+        self.pdl = pdl
         self.n_groups = d_v // (32 * self.vec)
         self.smem_bytes = 0
 
@@ -70,7 +74,7 @@ class LseCombine:
         n_rows = mL.shape[1]
         n_items = n_rows * self.n_groups
         self.kernel(mO, mL, mSink, mOut, mLse, n_heads, has_sink).launch(
-            grid=[(n_items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[(n_items + WARPS - 1) // WARPS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -84,6 +88,7 @@ class LseCombine:
         n_rows = mL.shape[1]
         item = bidx * WARPS + warp
         row = item // self.n_groups
+        cute.arch.griddepcontrol_wait()  # the producing kernel's grid is complete (PDL launch)
         group = item % self.n_groups
         if row < n_rows:
             # ---- pass 1: max and sum over the parts (lanes over parts), in log2 units --------
@@ -164,9 +169,10 @@ def combine_fake_args(d_v: int, in_dtype: str, out_dtype: str):
     )
 
 
-def compile_combine(d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", arch: str = "sm_90a", **kw):
+def compile_combine(d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", arch: str = "sm_90a",
+                    pdl: bool = False, **kw):
     """Compile the combine for one static configuration (no GPU needed)."""
     from .. import _compile
 
-    kernel = LseCombine(d_v, in_dtype, out_dtype)
+    kernel = LseCombine(d_v, in_dtype, out_dtype, pdl)
     return kernel, _compile.compile_kernel(kernel, *combine_fake_args(d_v, in_dtype, out_dtype), arch=arch, **kw)

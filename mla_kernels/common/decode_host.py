@@ -109,6 +109,27 @@ def _dtype_name(dt: torch.dtype) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+ENV_PDL = "MLA_KERNELS_DECODE_PDL"
+ENV_L2_PREFETCH = "MLA_KERNELS_DECODE_L2_PREFETCH"
+
+
+def decode_knobs():
+    """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
+    ``MLA_KERNELS_DECODE_PDL`` (``1`` default: the combine is launched with programmatic
+    dependent launch after the decode kernel; ``0``: a plain launch) and
+    ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128`` default, ``256`` as the forward's gather, ``0``
+    none: the L2 prefetch size of the KV gather's cp.async)."""
+    import os
+
+    pdl = os.environ.get(ENV_PDL, "1").strip()
+    pf = os.environ.get(ENV_L2_PREFETCH, "128").strip()
+    if pdl not in ("0", "1"):
+        raise ValueError(f"{ENV_PDL}={pdl!r}: expected 0 or 1")
+    if pf not in ("0", "128", "256"):
+        raise ValueError(f"{ENV_L2_PREFETCH}={pf!r}: expected 0, 128 or 256")
+    return pdl == "1", int(pf)
+
+
 def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     """Compile the plan's kernels (through the compile cache) and make every placeholder and
     view a call needs, so that a call allocates nothing (and can be captured in a CUDA graph)."""
@@ -116,12 +137,13 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
 
     arch = _compile.arch_for_device(plan.device)
     split = plan.num_splits > 1
+    pdl, pf = decode_knobs()
     if plan.h_q in NARROW_HEADS:
-        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, arch),
-                                       lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch))[1]
+        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, arch),
+                                       lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, l2_prefetch=pf))[1]
     else:
-        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, arch),
-                                       lambda: compile_wide(plan.d_qk, plan.h_q, split, arch))[1]
+        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, arch),
+                                       lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, l2_prefetch=pf))[1]
     dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
     st = plan.state
     st["kernel"] = kern
@@ -133,8 +155,8 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     st["scale_log2"] = None
     if split:
         n = plan.num_splits
-        st["combine"] = _compile.cached_compile(("LseCombine", plan.d_v, "f32", "bf16", arch),
-                                                lambda: compile_combine(plan.d_v, "f32", "bf16", arch))[1]
+        st["combine"] = _compile.cached_compile(("LseCombine", plan.d_v, "f32", "bf16", pdl, arch),
+                                                lambda: compile_combine(plan.d_v, "f32", "bf16", arch, pdl=pdl))[1]
         st["parts3"] = plan.out_parts.view(n, T * h, plan.d_v)
         st["lse_parts2"] = plan.lse_parts.view(n, T * h)
         st["out2"] = plan.out.view(T * h, plan.d_v)
@@ -204,7 +226,7 @@ def run_merge(outs, lses, attn_sink, out_dtype, compile_combine, device):
     arch = _compile.arch_for_device(device)
     n, R, h, d_v = outs.shape
     in_name, out_name = _dtype_name(outs.dtype), _dtype_name(out_dtype)
-    fn = _compile.cached_compile(("LseCombine", d_v, in_name, out_name, arch),
+    fn = _compile.cached_compile(("LseCombine", d_v, in_name, out_name, False, arch),
                                  lambda: compile_combine(d_v, in_name, out_name, arch))[1]
     out = host.alloc((R, h, d_v), out_dtype, device)
     lse = host.alloc((R, h), torch.float32, device)

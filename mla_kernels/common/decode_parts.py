@@ -19,9 +19,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
 from . import device as dev
 from .decode_host import F_BIAS, F_BLOCK_TABLE, F_MAX_LOGITS, F_SINK, F_TOPK_LENGTH  # noqa: F401
-from .gather import KvGather
+from .gather import GROUPS, KvGather
 
 BLOCK = 64  # top-k slots per block (every decode kernel)
 
@@ -39,8 +42,11 @@ class PagedKvGather(KvGather):
     ``slot < topk_len`` (see :func:`mla_kernels.reference.decode_physical_indices`).
     """
 
-    def __init__(self, mKV, mIdx, s_idx, topk_len, ptid, d_qk, slots, mBT, b_idx, use_bt, page_size):
+    def __init__(self, mKV, mIdx, s_idx, topk_len, ptid, d_qk, slots, mBT, b_idx, use_bt, page_size,
+                 l2_prefetch: int = 128):
         super().__init__(mKV, mIdx, s_idx, topk_len, ptid, d_qk, slots)
+        assert l2_prefetch in (0, 128, 256), l2_prefetch
+        self.l2_prefetch = l2_prefetch
         self.mBT = mBT
         self.use_bt = use_bt
         self.page_size = page_size
@@ -60,6 +66,24 @@ class PagedKvGather(KvGather):
         idx = Int32(cutlass.select_(self.use_bt, paged, pos))
         in_range = Boolean(cutlass.select_(self.use_bt, ok_paged, (pos >= 0) & (pos < self.s_kv)))
         return idx, in_range & (slot < self.topk_len)
+
+    def copy_tiles(self, buf_addr: Int32, slot_b: int, t0: int, t1: int) -> None:
+        """:meth:`KvGather.copy_tiles` with this gather's L2 prefetch size.  Decode rows are
+        ``d_qk * 2`` bytes at random rows of a large cache (no reuse): a 256-byte prefetch
+        straddles into neighbouring rows nobody asked for (1152-byte rows are 128-byte but not
+        256-byte aligned); 128 bytes fetches exactly the row."""
+        if self.l2_prefetch == 256:
+            return super().copy_tiles(buf_addr, slot_b, t0, t1)
+        base = buf_addr + self.smem_off
+        for t in range(t0, t1):
+            for j in range(self.rows_per_thread):
+                cp_async_16_zfill_pf(
+                    base + (t * self.rows * 128 + j * GROUPS * 128),
+                    self.src[slot_b, j] + Int64(t * 128),
+                    self.ok[slot_b, j],
+                    self.policy,
+                    self.l2_prefetch,
+                )
 
 
 @cute.jit
@@ -155,3 +179,25 @@ def store_bf16(mT: cute.Tensor, off: Int64, value: Float32) -> None:
     r = cute.make_rmem_tensor((1,), Float32)
     r[0] = value
     cute.make_tensor(mT.iterator + off, cute.make_layout(1)).store(r.load().to(cutlass.BFloat16))
+
+
+@dsl_user_op
+def cp_async_16_zfill_pf(smem_addr: Int32, gmem_addr: Int64, valid: Boolean, policy: Int64, prefetch: int,
+                         *, loc=None, ip=None) -> None:
+    """``device.cp_async_16_zfill`` with an L2 prefetch size of ``prefetch`` bytes (128) or none (0)."""
+    src_size = Int32(cutlass.select_(valid, Int32(16), Int32(0)))
+    pf = {0: "", 128: ".L2::128B"}[prefetch]
+    llvm.inline_asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int64(gmem_addr).ir_value(loc=loc, ip=ip),
+            Int32(src_size).ir_value(loc=loc, ip=ip),
+            Int64(policy).ir_value(loc=loc, ip=ip),
+        ],
+        f"cp.async.cg.shared.global.L2::cache_hint{pf} [$0], [$1], 16, $2, $3;",
+        "r,l,r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

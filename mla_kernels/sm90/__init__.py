@@ -57,27 +57,30 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
     return kernel, _compile.compile_kernel(kernel, *bwd_fake_args(d_qk, h_q), arch=arch, **kw)
 
 
-def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", **kw):
+def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128, **kw):
     """Compile the sm90 split decode for h_q a multiple of 64 (no GPU needed)."""
     from ..common.decode_host import compile_decode_kernel
     from .decode import SparseMlaDecodeSm90
 
-    return compile_decode_kernel(SparseMlaDecodeSm90(d_qk, split), d_qk, h_q, split, arch, **kw)
+    return compile_decode_kernel(SparseMlaDecodeSm90(d_qk, split, l2_prefetch=l2_prefetch), d_qk, h_q, split, arch,
+                                 **kw)
 
 
-def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", **kw):
+def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128, **kw):
     """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed)."""
     from ..common.decode_host import compile_decode_kernel
     from .decode_narrow import SparseMlaDecodeNarrowSm90
 
-    return compile_decode_kernel(SparseMlaDecodeNarrowSm90(d_qk, h_q, split), d_qk, h_q, split, arch, **kw)
+    return compile_decode_kernel(SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch), d_qk, h_q,
+                                 split, arch, **kw)
 
 
-def compile_combine(d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", arch: str = "sm_90a", **kw):
+def compile_combine(d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", arch: str = "sm_90a",
+                    pdl: bool = False, **kw):
     """Compile the lse combine (``common/combine.py``) for sm_90a (no GPU needed)."""
     from ..common.combine import compile_combine as _cc
 
-    return _cc(d_v, in_dtype, out_dtype, arch, **kw)
+    return _cc(d_v, in_dtype, out_dtype, arch, pdl, **kw)
 
 
 class Sm90Backend(CuteKernelBackend):

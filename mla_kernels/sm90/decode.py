@@ -55,7 +55,7 @@ BAR_Q_READY = 6  # Q (+ bias) stored by the consumers
 class SparseMlaDecodeSm90:
     """Static configuration + host launcher + device kernel of the sm90 split decode (h_q % 64 == 0)."""
 
-    def __init__(self, d_qk: int, split: bool, d_v: int = 512):
+    def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 decode supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -63,6 +63,7 @@ class SparseMlaDecodeSm90:
         self.d_qk = d_qk
         self.d_v = d_v
         self.split = split
+        self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -169,6 +170,8 @@ class SparseMlaDecodeSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        # a dependent combine (launched with PDL) may be scheduled now; it waits for this grid
+        cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
         idx_in_wg = tidx % 128
@@ -224,7 +227,7 @@ class SparseMlaDecodeSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             gather = dp.PagedKvGather(
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
-                dp.flag(flags, dp.F_BLOCK_TABLE), page_size,
+                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch,
             )
             self.producer(gather, sK0_ptr, sK1_ptr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0, num_iters,
                           idx_in_wg, warp_idx % 4)

@@ -55,7 +55,7 @@ BAR_FIN = 7  # WG0's final sum exchange, then the output staging (128)
 class SparseMlaDecodeNarrowSm90:
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
-    def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512):
+    def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -66,6 +66,7 @@ class SparseMlaDecodeNarrowSm90:
         self.d_v = d_v
         self.h = h_q
         self.split = split
+        self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
         self.n_m_tiles = d_v // 64
@@ -173,6 +174,8 @@ class SparseMlaDecodeNarrowSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        # a dependent combine (launched with PDL) may be scheduled now; it waits for this grid
+        cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
         idx_in_wg = tidx % 128
@@ -212,7 +215,7 @@ class SparseMlaDecodeNarrowSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             gather = dp.PagedKvGather(
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
-                dp.flag(flags, dp.F_BLOCK_TABLE), page_size,
+                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch,
             )
             self.producer(gather, sK0_ptr, sK1_ptr, sValid, kb0, kb1, bar_valid0, bar_valid1, blk0, num_iters,
                           idx_in_wg, warp_idx % 4)
