@@ -297,7 +297,7 @@ def emulated_sm90(monkeypatch):
 @pytest.mark.parametrize("h,num_splits", [(16, 1), (16, 3), (128, 1), (64, 4)])
 @pytest.mark.parametrize("opts", ["none", "all", "bt_tl2"])
 def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, opts):
-    b, s_q, d, topk = 3, 2, 576, 300
+    b, s_q, d, topk = 3, 2, 576, 260
     q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=h + num_splits, dtype=torch.bfloat16, num_pages=50,
                                 max_pages=20)
     g = torch.Generator().manual_seed(7)
@@ -308,11 +308,11 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, opts
         idx = torch.where(idx >= 50 * 16, torch.full_like(idx, -1), idx)
     tl = sink = bias = None
     if opts == "all":
-        tl = torch.tensor([300, 65, 0], dtype=torch.int32)
+        tl = torch.tensor([260, 65, 0], dtype=torch.int32)
         sink = torch.randn(h, generator=g)
         bias = rnd(b, h, d, g=g, s=0.1, dtype=torch.bfloat16)
     if opts == "bt_tl2":
-        tl = torch.tensor([[300, 1], [128, 200], [0, 64]], dtype=torch.int32)
+        tl = torch.tensor([[260, 1], [128, 200], [0, 64]], dtype=torch.int32)
     plan = emulated_sm90(b, s_q, h, topk, d, num_splits, with_max_logits=True)
     assert plan.split == (num_splits > 1)
     plan.out.fill_(math.nan)

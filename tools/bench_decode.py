@@ -300,6 +300,41 @@ def print_table(rs):
               f"{f(r.get('x_vs_padded'), 7, 2)} {f(r.get('flashmla_us'), 11)}")
 
 
+AB_VARIANTS = [
+    # (label, env, cases, options)
+    ("pdl-off", {"MLA_KERNELS_DECODE_PDL": "0"}, "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h16", {}),
+    ("l2-256", {"MLA_KERNELS_DECODE_L2_PREFETCH": "256"}, "b128-sq1-h16,b128-sq1-h64", {}),
+    ("physical", {}, "v32-b1-sq1-h128,b128-sq1-h16", {"physical": True}),
+    ("splits-4", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
+    ("splits-8", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 8}),
+    ("splits-32", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 32}),
+]
+
+
+def ab_rows(args):
+    """The main rows again under each of :data:`AB_VARIANTS` (a knob, physical ids or a forced
+    split count), in this process; rows tagged with ``variant``."""
+    out = []
+    for label, env, cases, opts in AB_VARIANTS:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            ns = argparse.Namespace(**{**vars(args), "cases": cases, "no_fwd": True, "no_flashmla": True,
+                                       "num_splits": None, "physical": False, **opts})
+            print(f"-- variant {label}")
+            for r in rows(ns):
+                r["variant"] = label
+                r["shape"] = f"{r['shape']} [{label}]" if not opts else r["shape"]
+                out.append(r)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
@@ -312,11 +347,16 @@ def main(argv=None):
     ap.add_argument("--num-splits", type=int, default=None, help="force the plans' split count")
     ap.add_argument("--physical", action="store_true", help="physical ids instead of the block table")
     ap.add_argument("--no-fwd", action="store_true", help="do not time the prefill forward on the same tokens")
+    ap.add_argument("--ab", action="store_true",
+                    help="then the comparisons behind docs/PERF.md's notes: the PDL and L2-prefetch knobs, "
+                         "physical ids, forced split counts")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if args.reps < 20:
         ap.error("--reps must be >= 20 (median of many runs)")
     rs = rows(args)
+    if args.ab and torch.cuda.is_available() and not args.cpu:
+        rs += ab_rows(args)
     print()
     print_table(rs)
     if args.json:
