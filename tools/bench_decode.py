@@ -12,6 +12,8 @@ planned call without a graph (median wall time of the Python call); beside them:
 * ``fwd_us`` -- the prefill forward kernel on the flattened tokens (what a decode step cost
   before the split path; h_q % 64 == 0 only);
 * ``padded_us`` -- h_q < 64 run as h_q 64 (what FlashMLA / vLLM do today: pad the heads);
+* ``graph_us`` -- the same step replayed from a CUDA graph: GPU time without host launch gaps
+  (at small batches the eager timing waits for the host to launch the combine);
 * ``flashmla_us`` -- FlashMLA's sm90 FP8 sparse decode (kernel + combine, its own timing: mean
   of 50 launches after 10 warm-ups) from ``.peers/anchors/flashmla/bench_sm90_decode`` when the
   binary is found (h_q 64 / 128 only).
@@ -160,6 +162,25 @@ def time_cpu(fn, n_sets, warmup, reps):
     return statistics.median(times), times
 
 
+def time_graph(call, n_sets, warmup, reps):
+    """GPU time of one decode step replayed from a CUDA graph (one graph per input set): the
+    kernels are submitted at once, so no host launch latency sits between them -- unlike the
+    eager timing, where at small batches the GPU waits for the host to launch the combine."""
+    graphs = []
+    for i in range(n_sets):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call(i)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call(i)
+        graphs.append(g)
+    med, _ = time_gpu(lambda i: graphs[i].replay(), n_sets, warmup, reps)
+    return med
+
+
 def host_time_us(fn, n=200):
     """Median wall time of the Python call (launches are asynchronous: no sync in the loop)."""
     times = []
@@ -244,12 +265,18 @@ def rows(args):
         med, times = timer(call, n_sets, warmup, reps)
         host = host_time_us(call) if not cpu else None
         host_be = host_time_us(call_backend) if not cpu else None
+        graph_us = None
+        if not cpu and not getattr(args, "no_graph", False):
+            try:
+                graph_us = time_graph(call, n_sets, warmup, reps)
+            except Exception as e:  # report, keep going
+                print(f"  {name}: graph capture failed: {type(e).__name__}: {e}")
         row = dict(shape=name, op="decode", backend=plan.backend_name, gpu=gpu, b=b, s_q=s_q, h_q=h_q, topk=topk,
                    d_qk=D_QK, d_v=D_V, seq_len=seq_len, page_size=page_size, num_splits=plan.num_splits,
                    us=med, ms=med / 1e3, min_us=min(times), max_us=max(times), reps=reps,
                    tflops=flops(b, s_q, h_q, topk) / (med * 1e-6) / 1e12,
                    gbps=gathered_bytes(b, s_q, topk) / (med * 1e-6) / 1e9, host_us=host, host_launch_us=host_be,
-                   block_table=not physical, knobs=knobs)
+                   block_table=not physical, knobs=knobs, graph_us=graph_us)
         if hbm:
             row["hbm_pct"] = 100.0 * gathered_bytes(b, s_q, topk) / (med * 1e-6) / hbm
         if not cpu and h_q % 64 == 0 and not getattr(args, "no_fwd", False):
@@ -265,6 +292,8 @@ def rows(args):
         out_rows.append(row)
         hbm_txt = f"  {row['hbm_pct']:5.1f}% HBM" if hbm else ""
         host_txt = f"  host {host:5.1f} us" if host is not None else ""
+        if graph_us is not None:
+            host_txt += f"  graph {graph_us:7.1f} us"
         fwd_txt = f"  prefill fwd {row['fwd_us']:8.1f} us" if "fwd_us" in row else ""
         print(f"  {row['shape']:<20} {med:9.1f} us  {row['tflops']:7.1f} TFLOPS  {row['gbps']:7.0f} GB/s{hbm_txt}"
               f"  splits {plan.num_splits:3d}{host_txt}{fwd_txt}", flush=True)
@@ -289,20 +318,20 @@ def rows(args):
 
 
 def print_table(rs):
-    hdr = (f"{'shape':<24} {'us':>8} {'TFLOPS':>7} {'GB/s':>6} {'%HBM':>5} {'splits':>6} {'host us':>7} "
-           f"{'launch':>6} {'fwd us':>8} {'padded':>7} {'FlashMLA us':>11}")
+    hdr = (f"{'shape':<24} {'us':>8} {'graph':>7} {'TFLOPS':>7} {'GB/s':>6} {'%HBM':>5} {'splits':>6} "
+           f"{'host us':>7} {'launch':>6} {'fwd us':>8} {'padded':>7} {'FlashMLA us':>11}")
     print(hdr)
     print("-" * len(hdr))
     f = lambda v, w, p=1: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'--':>{w}}"
     for r in rs:
-        print(f"{r['shape']:<24} {f(r['us'], 8)} {f(r['tflops'], 7)} {f(r['gbps'], 6, 0)} {f(r.get('hbm_pct'), 5)} "
+        print(f"{r['shape']:<24} {f(r['us'], 8)} {f(r.get('graph_us'), 7)} {f(r['tflops'], 7)} {f(r['gbps'], 6, 0)} {f(r.get('hbm_pct'), 5)} "
               f"{r['num_splits']:>6} {f(r.get('host_us'), 7)} {f(r.get('host_launch_us'), 6)} {f(r.get('fwd_us'), 8)} "
               f"{f(r.get('x_vs_padded'), 7, 2)} {f(r.get('flashmla_us'), 11)}")
 
 
 AB_VARIANTS = [
     # (label, env, cases, options)
-    ("pdl-off", {"MLA_KERNELS_DECODE_PDL": "0"}, "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h16", {}),
+    ("pdl-on", {"MLA_KERNELS_DECODE_PDL": "1"}, "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h16", {}),
     ("l2-256", {"MLA_KERNELS_DECODE_L2_PREFETCH": "256"}, "b128-sq1-h16,b128-sq1-h64", {}),
     ("physical", {}, "v32-b1-sq1-h128,b128-sq1-h16", {"physical": True}),
     ("splits-4", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
@@ -346,6 +375,7 @@ def main(argv=None):
     ap.add_argument("--no-flashmla", action="store_true", help="do not run FlashMLA's anchor binary")
     ap.add_argument("--num-splits", type=int, default=None, help="force the plans' split count")
     ap.add_argument("--physical", action="store_true", help="physical ids instead of the block table")
+    ap.add_argument("--no-graph", action="store_true", help="do not time CUDA-graph replays")
     ap.add_argument("--no-fwd", action="store_true", help="do not time the prefill forward on the same tokens")
     ap.add_argument("--ab", action="store_true",
                     help="then the comparisons behind docs/PERF.md's notes: the PDL and L2-prefetch knobs, "

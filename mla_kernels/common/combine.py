@@ -12,10 +12,11 @@ with the max subtracted first (numerically stable); an all-empty row gives ``out
 its ``out`` holds.  ``attn_sink [h]`` (head ``p % h``) is applied once, after the merge:
 ``out *= 1 / (1 + exp(sink - lse))`` (``= exp(lse) / (exp(lse) + exp(sink))``), ``lse`` untouched.
 
-This one kernel is both the decode path's split combine and ``merge_attn_partials``.  After a
-decode kernel it is launched with programmatic dependent launch (``pdl=True``): its CTAs may be
-scheduled while the decode kernel finishes and wait in ``griddepcontrol.wait`` (a no-op in a
-plain launch) until the decode grid has completed and its writes are visible.
+This one kernel is both the decode path's split combine and ``merge_attn_partials``.  With
+``pdl=True`` (``MLA_KERNELS_DECODE_PDL=1``) it is launched with programmatic dependent launch
+after a decode kernel: its CTAs may be scheduled while the decode kernel finishes and wait in
+``griddepcontrol.wait`` (a no-op in a plain launch) until the decode grid has completed and its
+writes are visible.
 
 Work split: one warp per ``(row, column group)``; a column group is ``32 * vec`` columns (``vec``
 = one 16-byte vector of the input: 4 float32 or 8 bf16), one vector per lane, so a warp reads

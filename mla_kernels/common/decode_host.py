@@ -115,13 +115,14 @@ ENV_L2_PREFETCH = "MLA_KERNELS_DECODE_L2_PREFETCH"
 
 def decode_knobs():
     """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
-    ``MLA_KERNELS_DECODE_PDL`` (``1`` default: the combine is launched with programmatic
-    dependent launch after the decode kernel; ``0``: a plain launch) and
-    ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128`` default, ``256`` as the forward's gather, ``0``
-    none: the L2 prefetch size of the KV gather's cp.async)."""
+    ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
+    dependent launch after the decode kernel -- measured no faster on an H200 and its launch
+    costs more host time, see docs/PERF.md) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
+    default, ``256`` as the forward's gather -- 3.5-5% slower at b 128 --, ``0`` none: the L2
+    prefetch size of the KV gather's cp.async)."""
     import os
 
-    pdl = os.environ.get(ENV_PDL, "1").strip()
+    pdl = os.environ.get(ENV_PDL, "0").strip()
     pf = os.environ.get(ENV_L2_PREFETCH, "128").strip()
     if pdl not in ("0", "1"):
         raise ValueError(f"{ENV_PDL}={pdl!r}: expected 0 or 1")
