@@ -30,7 +30,6 @@ the next call with the same plan overwrites (clone them to keep a step's result)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Dict, Optional, Tuple

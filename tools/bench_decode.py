@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -254,11 +253,11 @@ def rows(args):
                          + pos.long() % page_size).to(torch.int32)) for q, pos in sets]
             bt = None
 
-        def call(i, plan=plan, sets=sets, bt=bt):
+        def call(i, plan=plan, sets=sets, bt=bt, kv=kv):
             q, pos = sets[i]
             return mk.sparse_mla_decode(q, kv, pos, sm_scale, D_V, block_table=bt, plan=plan)
 
-        def call_backend(i, plan=plan, sets=sets, bt=bt):  # the launches alone (no API checks)
+        def call_backend(i, plan=plan, sets=sets, bt=bt, kv=kv):  # the launches alone (no API checks)
             q, pos = sets[i]
             return plan.backend.decode(plan, q, kv, pos, sm_scale, None, None, bt, None)
 

@@ -23,7 +23,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from . import device as dev
-from .decode_host import F_BIAS, F_BLOCK_TABLE, F_MAX_LOGITS, F_SINK, F_TOPK_LENGTH  # noqa: F401
+from .decode_host import F_BIAS, F_BLOCK_TABLE, F_MAX_LOGITS, F_SINK, F_TOPK_LENGTH  # noqa: F401 (re-exported)
 from .gather import GROUPS, KvGather
 
 BLOCK = 64  # top-k slots per block (every decode kernel)

@@ -32,7 +32,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
