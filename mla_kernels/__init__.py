@@ -6,6 +6,9 @@ Public API:
 * :func:`attn_dist` -- attention distribution over the selected tokens (indexer KL target);
 * :func:`sparse_mla_bwd` -- backward: ``(dq, dkv, d_attn_sink)``;
 * :func:`sparse_mla` -- the autograd op (``out`` or ``(out, lse)``);
+* :func:`sparse_mla_decode` -- decode on a paged KV cache (split-top-k + lse combine),
+  :func:`decode_plan` -- its reusable plan (no allocation per call, CUDA-graph capturable);
+* :func:`merge_attn_partials` -- merge partial results over disjoint parts of the top-k;
 * :func:`backend_for` -- which backend serves a device (``"sm90"``, ``"sm100"``, ``"reference"``);
 * :class:`AttnSum` -- holder receiving ``attn_sum`` from the autograd backward.
 
@@ -14,8 +17,9 @@ Importing the package also registers the ops as ``torch.library`` custom ops
 :mod:`mla_kernels.ops`): ``torch.compile`` and ``torch.export`` trace through them.
 """
 
-from .api import attn_dist, sparse_mla_bwd, sparse_mla_fwd
+from .api import attn_dist, decode_plan, merge_attn_partials, sparse_mla_bwd, sparse_mla_decode, sparse_mla_fwd
 from .autograd import AttnSum, sparse_mla
+from .decode import DecodePlan
 from .dispatch import BackendUnavailableError, backend_for
 from . import ops  # noqa: F401,E402  (registers torch.ops.mla_kernels.*)
 
@@ -26,6 +30,10 @@ __all__ = [
     "attn_dist",
     "sparse_mla_bwd",
     "sparse_mla",
+    "sparse_mla_decode",
+    "decode_plan",
+    "DecodePlan",
+    "merge_attn_partials",
     "backend_for",
     "AttnSum",
     "BackendUnavailableError",

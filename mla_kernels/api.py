@@ -37,10 +37,14 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import dispatch
-from .common.problem import Problem
+from .common.problem import MergeProblem, Problem
+from .decode import NARROW_HEADS, DecodePlan, choose_splits, device_sm_count
 from .reference import compute_dtype
 
-__all__ = ["sparse_mla_fwd", "attn_dist", "sparse_mla_bwd", "make_problem", "check_inputs", "tracing"]
+__all__ = [
+    "sparse_mla_fwd", "attn_dist", "sparse_mla_bwd", "make_problem", "check_inputs", "tracing",
+    "sparse_mla_decode", "decode_plan", "merge_attn_partials",
+]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -266,8 +270,41 @@ def fwd_problem(p: Problem) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward on an already validated problem (used by the autograd op)."""
     if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
         return _empty_fwd(p)
+    routed = _fwd_through_decode(p)
+    if routed is not None:
+        return routed
     backend = dispatch.select("fwd", p)
     return backend.fwd(_pad_topk(p, backend.topk_block))
+
+
+def _fwd_through_decode(p: Problem):
+    """The forward of few query rows (or of 8..32 heads) on the split-top-k decode kernels.
+
+    The prefill kernel runs one CTA per (row, 64 heads): ``s_q * h_q / 64`` CTAs leave most SMs
+    idle when ``s_q`` is small, and it cannot take ``h_q < 64``.  Each row is then a decode
+    request (``b = s_q``, one query each) split over its top-k (:func:`choose_splits`).  Used
+    when a kernel backend serves the decode for ``p``'s configuration and either the rule
+    gives more than one split or ``h_q`` is one of the narrow head counts.  Returns None
+    otherwise."""
+    if p.device.type != "cuda" or not p.sm_scale > 0:
+        return None
+    proto = DecodePlan(p.s_q, 1, p.h_q, p.topk, p.d_qk, p.d_v, p.device, p.dtype, 1, 1, with_max_logits=True)
+    if p.h_q not in NARROW_HEADS and p.h_q % 64:
+        return None
+    backend = dispatch.serving_kernel("decode", proto)
+    if backend is None:
+        return None
+    n, bps = choose_splits(p.s_q, 1, p.h_q, p.topk, device_sm_count(p.device))
+    if n == 1 and p.h_q not in NARROW_HEADS:
+        return None
+    proto.num_splits, proto.blocks_per_split, proto.backend = n, bps, backend
+    proto.allocate()
+    backend.prepare_decode(proto)
+    out, lse, ml = backend.decode(
+        proto, p.q.view(p.s_q, 1, p.h_q, p.d_qk), p.kv, p.indices.view(p.s_q, 1, p.topk), p.sm_scale,
+        p.topk_length, p.attn_sink, None, None,
+    )
+    return out.view(p.s_q, p.h_q, p.d_v), ml.view(p.s_q, p.h_q), lse.view(p.s_q, p.h_q)
 
 
 def bwd_problem(p: Problem, out, dout, lse, dlse=None, deterministic=False, return_attn_sum=False):
@@ -451,3 +488,377 @@ def sparse_mla_bwd_eager(q, kv, out, dout, indices, lse, sm_scale, d_v=512, topk
         dlse = _lse_for(dlse, p.dtype)
     return bwd_problem(p, _contig(out.detach()), _contig(dout.detach()), _lse_for(lse, p.dtype), dlse,
                        deterministic, return_attn_sum)
+
+
+# ---------------------------------------------------------------------------------------------
+# Merge of partial results (context parallelism, decode splits)
+# ---------------------------------------------------------------------------------------------
+
+
+def merge_attn_partials(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    attn_sink: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge the results of one attention computed over ``n`` disjoint parts of its top-k.
+
+    Args:
+        outs: ``[n, ..., h_q, d_v]`` (bfloat16, float16, float32 or float64): each part's output,
+            normalised by its own softmax sum -- what ``sparse_mla_fwd`` / ``sparse_mla_decode``
+            return for the part (called *without* ``attn_sink``).
+        lses: ``[n, ..., h_q]`` float32 (or float64): each part's log-sum-exp (natural log);
+            ``+inf`` marks an empty part (no valid slot), whose ``out`` is ignored.
+        attn_sink: optional ``[h_q]``: applied once, after the merge, as the forward does
+            (``out *= exp(lse) / (exp(lse) + exp(sink))``, ``lse`` untouched).
+        out_dtype: dtype of the merged ``out`` (default: ``outs``'s).
+
+    Returns:
+        ``(out [..., h_q, d_v], lse [..., h_q])``: ``lse = log(sum_i exp(lse_i))``, ``out =
+        sum_i exp(lse_i - lse) * out_i``; a row whose parts are all empty gives ``out = 0`` and
+        ``lse = +inf``.  ``lse`` is float32 (float64 for float64 ``outs``).
+
+    With ``n`` parts that split the top-k of ``sparse_mla_fwd(q, kv, indices, ...)`` (each part
+    the same call with the other parts' slots set to -1, or a shard's rows), the merge equals
+    the unsplit forward up to rounding; ``d_attn_sink`` and friends then come from the
+    backward run with the merged ``out`` and ``lse``.  GPU: the lse combine kernel on sm90
+    (bf16/float32 parts, ``d_v`` a multiple of 256 / 128), the PyTorch reference elsewhere.
+    """
+    _check_tensor("outs", outs, "of shape [n, ..., h_q, d_v]")
+    _check_tensor("lses", lses, "of shape [n, ..., h_q]")
+    if outs.dim() < 3:
+        raise ValueError(f"outs must have shape [n, ..., h_q, d_v] (at least 3-D), got {tuple(outs.shape)}")
+    if outs.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"outs must be bfloat16, float16, float32 or float64, got {outs.dtype}")
+    if tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(f"lses must have shape outs.shape[:-1]={tuple(outs.shape[:-1])}, got {tuple(lses.shape)}")
+    if lses.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"lses must be float32 (or float64), got {lses.dtype}")
+    device = outs.device
+    if lses.device != device:
+        raise ValueError(f"lses is on {lses.device} but outs is on {device}; all tensors must share one device")
+    if out_dtype is None:
+        out_dtype = outs.dtype
+    if out_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    n, h_q, d_v = outs.shape[0], outs.shape[-2], outs.shape[-1]
+    lead = tuple(outs.shape[1:-2])
+    sink = None
+    if attn_sink is not None:
+        _check_tensor("attn_sink", attn_sink, f"of shape [h_q]=[{h_q}]")
+        if attn_sink.dim() != 1 or attn_sink.shape[0] != h_q:
+            raise ValueError(f"attn_sink must have shape [h_q]=[{h_q}], got {tuple(attn_sink.shape)}")
+        if not attn_sink.is_floating_point():
+            raise TypeError(f"attn_sink must be a floating tensor, got {attn_sink.dtype}")
+        if attn_sink.device != device:
+            raise ValueError(f"attn_sink is on {attn_sink.device} but outs is on {device}")
+        sink = _contig(attn_sink.detach().to(compute_dtype(outs.dtype)))
+    rows = math.prod(lead)
+    cdt = compute_dtype(outs.dtype)
+    if n == 0 or rows == 0 or h_q == 0:  # no parts: every row is empty
+        out = torch.zeros(*lead, h_q, d_v, dtype=out_dtype, device=device)
+        return out, torch.full((*lead, h_q), math.inf, dtype=cdt, device=device)
+    outs3 = _contig(outs.detach()).reshape(n, rows, h_q, d_v)
+    lses3 = _contig(lses.detach().to(cdt)).reshape(n, rows, h_q)
+    backend = dispatch.select("merge", MergeProblem(device, outs.dtype, out_dtype, d_v, h_q))
+    out, lse = backend.merge(outs3, lses3, sink, out_dtype)
+    return out.reshape(*lead, h_q, d_v), lse.reshape(*lead, h_q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode on a paged KV cache
+# ---------------------------------------------------------------------------------------------
+
+DECODE_HEADS_DOC = "8, 16, 24, 32 or a multiple of 64"
+
+
+def _check_pos_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    v = int(v)
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def decode_plan(
+    b: int,
+    s_q: int,
+    h_q: int,
+    topk: int,
+    *,
+    d_qk: int = 576,
+    d_v: int = 512,
+    device=None,
+    dtype: torch.dtype = torch.bfloat16,
+    num_splits: Optional[int] = None,
+    with_max_logits: bool = False,
+) -> DecodePlan:
+    """A reusable plan for :func:`sparse_mla_decode` on batches of one shape.
+
+    Made once per batch shape (``b`` requests of ``s_q`` query tokens each -- 1, or 2..4 with
+    MTP --, ``h_q`` heads, ``topk`` slots per token): it picks the backend and the split of the
+    top-k (``mla_kernels.decode.choose_splits``; ``num_splits`` forces one), compiles the kernels
+    and allocates every buffer, so that a call with the plan allocates nothing and never
+    synchronises with the device (CUDA-graph capturable).  Its ``out`` / ``lse`` buffers are
+    what each call returns (overwritten by the next call).  ``device`` defaults to the current
+    CUDA device if there is one, else the CPU.
+    """
+    b, s_q, h_q, topk = (_check_pos_int(n, v) for n, v in (("b", b), ("s_q", s_q), ("h_q", h_q), ("topk", topk)))
+    d_qk, d_v = _check_pos_int("d_qk", d_qk), _check_pos_int("d_v", d_v)
+    if h_q not in NARROW_HEADS and h_q % 64:
+        raise ValueError(f"decode supports h_q {DECODE_HEADS_DOC}, got h_q={h_q}")
+    if d_v > d_qk:
+        raise ValueError(f"d_v must satisfy d_v <= d_qk={d_qk}, got d_v={d_v}")
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be bfloat16, float16, float32 or float64, got {dtype}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not isinstance(with_max_logits, bool):
+        raise TypeError(f"with_max_logits must be a bool, got {type(with_max_logits).__name__}")
+    n_blocks = max(1, -(-topk // 64))
+    if num_splits is not None:
+        num_splits = _check_pos_int("num_splits", num_splits)
+    plan = DecodePlan(b, s_q, h_q, topk, d_qk, d_v, device, dtype, 1, n_blocks, with_max_logits=with_max_logits)
+    backend = dispatch.select("decode", plan)
+    if num_splits is None:
+        if backend.name == "reference":
+            num_splits = 1  # the reference gains nothing from splitting
+        else:
+            num_splits = choose_splits(b, s_q, h_q, topk, device_sm_count(device))[0]
+    bps = -(-n_blocks // min(num_splits, n_blocks))
+    plan.num_splits, plan.blocks_per_split = -(-n_blocks // bps), bps
+    plan.backend = backend
+    plan.allocate()
+    backend.prepare_decode(plan)
+    return plan
+
+
+def _decode_inputs(plan: Optional[DecodePlan], q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink,
+                   block_table, q_bias):
+    """Check one decode call (against ``plan`` when given) and normalise its tensors."""
+    _check_tensor("q", q, "of shape [b, s_q, h_q, d_qk]")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [b, s_q, h_q, d_qk] (4-D), got {tuple(q.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q must be bfloat16, float16, float32 or float64, got {q.dtype}")
+    b, s_q, h_q, d_qk = q.shape
+    device = q.device
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan (from mla_kernels.decode_plan), got {type(plan).__name__}")
+        if tuple(q.shape) != plan.q_shape:
+            raise ValueError(f"q has shape {tuple(q.shape)} but the plan was made for {plan.q_shape}")
+        if q.dtype != plan.dtype or device != plan.device:
+            raise ValueError(f"q is {q.dtype} on {device} but the plan is for {plan.dtype} on {plan.device}")
+        if d_v != plan.d_v:
+            raise ValueError(f"d_v={d_v} but the plan was made for d_v={plan.d_v}")
+    _check_tensor("kv_cache", kv_cache, "of shape [num_pages, page_size, 1, d_qk] or [n, d_qk]")
+    kd = kv_cache.dim()
+    if not (kd == 4 and kv_cache.shape[2] == 1) and not (kd == 3 and kv_cache.shape[1] == 1) and kd != 2:
+        raise ValueError(
+            f"kv_cache must have shape [num_pages, page_size, 1, d_qk] (a paged cache, one KV head) or a flat "
+            f"[n, d_qk] / [n, 1, d_qk] cache, got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.shape[-1] != d_qk:
+        raise ValueError(f"kv_cache's last dim must equal q's d_qk={d_qk}, got {tuple(kv_cache.shape)}")
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache must have q's dtype {q.dtype}, got {kv_cache.dtype}")
+    if kv_cache.device != device:
+        raise ValueError(f"kv_cache is on {kv_cache.device} but q is on {device}; all tensors must share one device")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (the cache is not copied per call)")
+    n_rows = kv_cache.numel() // d_qk if d_qk else 0
+    if n_rows >= 2**31:
+        raise ValueError(f"kv_cache has {n_rows} rows; the kernels address at most 2^31 - 1")
+    if kv_cache.numel() and kv_cache.data_ptr() % 16:
+        raise ValueError("kv_cache must be 16-byte aligned")
+    page_size = kv_cache.shape[1] if kd == 4 else kv_cache.shape[0]
+
+    _check_tensor("indices", indices, "of shape [b, s_q, topk]")
+    if indices.dim() != 3 or indices.shape[0] != b or indices.shape[1] != s_q:
+        raise ValueError(f"indices must have shape [b, s_q, topk] with b={b}, s_q={s_q}, got {tuple(indices.shape)}")
+    if plan is not None and indices.shape[2] != plan.topk:
+        raise ValueError(f"indices has topk={indices.shape[2]} but the plan was made for topk={plan.topk}")
+    if indices.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
+    if indices.device != device:
+        raise ValueError(f"indices is on {indices.device} but q is on {device}")
+    if indices.dtype == torch.int64:
+        big = torch.iinfo(torch.int32).max
+        indices = torch.where((indices < 0) | (indices > big), torch.full_like(indices, -1), indices).to(torch.int32)
+
+    sm_scale = _check_scale(sm_scale)
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0 for decode, got {sm_scale}")
+    if plan is None:
+        d_v = _check_pos_int("d_v", d_v)
+        if d_v > d_qk:
+            raise ValueError(f"d_v must satisfy d_v <= d_qk={d_qk}, got d_v={d_v}")
+
+    tl = None
+    if topk_length is not None:
+        _check_tensor("topk_length", topk_length, f"of shape [b]=[{b}] or [b, s_q]=[{b}, {s_q}]")
+        if tuple(topk_length.shape) not in ((b,), (b, s_q)):
+            raise ValueError(f"topk_length must have shape [b]=[{b}] or [b, s_q]=[{b}, {s_q}], got "
+                             f"{tuple(topk_length.shape)}")
+        if topk_length.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"topk_length must be int32 or int64, got {topk_length.dtype}")
+        if topk_length.device != device:
+            raise ValueError(f"topk_length is on {topk_length.device} but q is on {device}")
+        tl = topk_length if topk_length.dtype == torch.int32 else topk_length.clamp(-1, indices.shape[2]).to(torch.int32)
+
+    sink = None
+    if attn_sink is not None:
+        _check_tensor("attn_sink", attn_sink, f"of shape [h_q]=[{h_q}]")
+        if attn_sink.shape != (h_q,):
+            raise ValueError(f"attn_sink must have shape [h_q]=[{h_q}], got {tuple(attn_sink.shape)}")
+        if not attn_sink.is_floating_point():
+            raise TypeError(f"attn_sink must be a floating tensor, got {attn_sink.dtype}")
+        if attn_sink.device != device:
+            raise ValueError(f"attn_sink is on {attn_sink.device} but q is on {device}")
+        sink = attn_sink.detach()
+        if sink.dtype != compute_dtype(q.dtype):
+            sink = sink.to(compute_dtype(q.dtype))
+
+    bt = None
+    if block_table is not None:
+        _check_tensor("block_table", block_table, f"of shape [b, max_pages] with b={b}")
+        if block_table.dim() != 2 or block_table.shape[0] != b or block_table.shape[1] < 1:
+            raise ValueError(f"block_table must have shape [b, max_pages] with b={b} and max_pages >= 1, got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
+        if block_table.device != device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {device}")
+        bt = block_table
+        if bt.dtype == torch.int64:
+            big = torch.iinfo(torch.int32).max
+            bt = torch.where((bt < 0) | (bt > big), torch.full_like(bt, -1), bt).to(torch.int32)
+
+    bias = None
+    if q_bias is not None:
+        _check_tensor("q_bias", q_bias, f"of shape [b, h_q, d_qk]=[{b}, {h_q}, {d_qk}]")
+        if q_bias.shape != (b, h_q, d_qk):
+            raise ValueError(f"q_bias must have shape [b, h_q, d_qk]=[{b}, {h_q}, {d_qk}], got {tuple(q_bias.shape)}")
+        if q_bias.dtype != q.dtype:
+            raise TypeError(f"q_bias must have q's dtype {q.dtype}, got {q_bias.dtype}")
+        if q_bias.device != device:
+            raise ValueError(f"q_bias is on {q_bias.device} but q is on {device}")
+        bias = q_bias.detach()
+
+    # contiguous, 16-byte aligned copies only where needed (pass contiguous tensors to avoid them)
+    q = _contig(q.detach())
+    indices = _contig(indices)
+    if tl is not None:
+        tl = _contig(tl)
+    if sink is not None:
+        sink = _contig(sink)
+    if bt is not None:
+        bt = _contig(bt)
+    if bias is not None:
+        bias = _contig(bias)
+    return q, kv_cache.detach(), indices, sm_scale, tl, sink, bt, bias, page_size
+
+
+def _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias) -> bool:
+    """The per-call check of a planned decode (host time matters here: a few attribute reads per
+    tensor).  True when every input already is what the kernels take as it is -- right shapes,
+    dtypes and device, contiguous, 16-byte aligned, no autograd; anything else (including every
+    error case) goes through :func:`_decode_inputs`, which raises with a clear message or
+    normalises."""
+    try:
+        f = plan.fast  # precomputed by DecodePlan.allocate
+        dev, dt = f.dev, f.dtype
+        if not (type(sm_scale) is float and sm_scale > 0 and d_v == f.d_v
+                and q.shape == f.q_shape and q.dtype == dt and q.get_device() == dev and q.is_contiguous()
+                and not q.requires_grad and q.data_ptr() % 16 == 0
+                and indices.shape == f.idx_shape and indices.dtype == torch.int32 and indices.get_device() == dev
+                and indices.is_contiguous()
+                and kv_cache.dtype == dt and kv_cache.get_device() == dev and kv_cache.is_contiguous()
+                and not kv_cache.requires_grad and kv_cache.data_ptr() % 16 == 0
+                and kv_cache.shape[-1] == f.d_qk and kv_cache.numel() < f.max_kv_numel):
+            return False
+        kd = kv_cache.dim()
+        if not (kd == 2 or (kd == 4 and kv_cache.shape[2] == 1)):
+            return False
+        if topk_length is not None and not (
+                topk_length.dtype == torch.int32 and topk_length.shape in f.tl_shapes
+                and topk_length.get_device() == dev and topk_length.is_contiguous()):
+            return False
+        if attn_sink is not None and not (
+                attn_sink.dtype == f.sink_dtype and attn_sink.shape == f.sink_shape and attn_sink.get_device() == dev
+                and attn_sink.is_contiguous() and not attn_sink.requires_grad):
+            return False
+        if block_table is not None and not (
+                block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == f.b
+                and block_table.shape[1] >= 1 and block_table.get_device() == dev and block_table.is_contiguous()):
+            return False
+        if q_bias is not None and not (
+                q_bias.shape == f.bias_shape and q_bias.dtype == dt and q_bias.get_device() == dev
+                and q_bias.is_contiguous() and not q_bias.requires_grad and q_bias.data_ptr() % 16 == 0):
+            return False
+        return True
+    except (AttributeError, TypeError):  # not a plan / not a tensor: the full check says what
+        return False
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    *,
+    block_table: Optional[torch.Tensor] = None,
+    q_bias: Optional[torch.Tensor] = None,
+    plan: Optional[DecodePlan] = None,
+):
+    """Sparse MLA decode on a paged KV cache (split-top-k flash-decoding).
+
+    Args:
+        q: ``[b, s_q, h_q, d_qk]`` -- ``b`` requests of ``s_q`` query tokens (1; 2..4 with MTP),
+            ``h_q`` in {8, 16, 24, 32} or a multiple of 64.
+        kv_cache: ``[num_pages, page_size, 1, d_qk]`` (any page size), or a flat ``[n, d_qk]``
+            (one page); contiguous, q's dtype.  ``V = kv[..., :d_v]``.
+        indices: ``[b, s_q, topk]`` int32: physical ids ``page * page_size + offset`` into the
+            flattened cache (FlashMLA's sparse decode convention), or with ``block_table``
+            logical positions of request ``b``'s sequence.  Invalid entries (-1, out of range,
+            slots at or past ``topk_length``) contribute nothing.
+        sm_scale: softmax scale (> 0).
+        topk_length: ``[b]`` (per request) or ``[b, s_q]`` int32: slots at or past it are ignored.
+        attn_sink: ``[h_q]``: scales ``out`` by ``exp(lse) / (exp(lse) + exp(sink))``; lse untouched.
+        block_table: ``[b, max_pages]`` int32: position ``pos`` of request ``b`` is row
+            ``block_table[b, pos // page_size] * page_size + pos % page_size``; negative
+            positions, ``pos // page_size >= max_pages`` and entries outside ``[0, num_pages)``
+            are invalid slots (no error: checking values would synchronise with the device).
+        q_bias: ``[b, h_q, d_qk]``: added to every query of request ``b`` before ``q . k``
+            (Transformer-XL's content bias; fused into the kernel's Q load; ``q + q_bias`` is
+            rounded to q's dtype once, as ``q + q_bias`` in PyTorch would be).
+        plan: a :func:`decode_plan` for this batch shape: no allocation, no host-device sync,
+            CUDA-graph capturable.  Without it a plan is made for the call (allocates; compiles
+            on first use of a configuration).
+
+    Returns:
+        ``(out [b, s_q, h_q, d_v]`` in q's dtype, ``lse [b, s_q, h_q]`` float32, natural log);
+        rows with no valid slot give ``out = 0``, ``lse = +inf``.  With a plan these are the
+        plan's buffers (overwritten by its next call).
+    """
+    if plan is not None and _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink,
+                                             block_table, q_bias):
+        return plan.backend.decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias)
+    args = _decode_inputs(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias)
+    if plan is None:
+        q, indices = args[0], args[2]
+        b, s_q, h_q, d_qk = q.shape
+        if b == 0 or s_q == 0 or indices.shape[2] == 0:
+            out = torch.zeros(b, s_q, h_q, d_v, dtype=q.dtype, device=q.device)
+            return out, torch.full((b, s_q, h_q), math.inf, dtype=compute_dtype(q.dtype), device=q.device)
+        plan = decode_plan(b, s_q, h_q, indices.shape[2], d_qk=d_qk, d_v=d_v, device=q.device, dtype=q.dtype)
+    return plan.backend.decode(plan, *args[:-1])

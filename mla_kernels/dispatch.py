@@ -36,6 +36,7 @@ __all__ = [
     "backend_for",
     "get_backend",
     "select",
+    "serving_kernel",
     "register_backend",
     "reset_state",
 ]
@@ -76,6 +77,29 @@ class ReferenceBackend(Backend):
             p.q, p.kv, out, dout, p.indices, lse, p.sm_scale, p.d_v, p.topk_length,
             p.attn_sink, dlse=dlse, return_attn_sum=return_attn_sum, deterministic=deterministic,
         )
+
+    def decode(self, plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias):
+        # A plan with several splits is emulated split by split (the kernels' slot ranges), then
+        # merged: the CPU tests exercise the split / merge arithmetic this way.
+        if plan.num_splits > 1:
+            outs, lses, mls = ref.decode_split_partials_ref(
+                q, kv_cache, indices, sm_scale, plan.d_v, plan.num_splits, plan.blocks_per_split,
+                topk_length, block_table, q_bias,
+            )
+            out, lse = ref.merge_attn_partials_ref(outs, lses, attn_sink, plan.dtype)
+            ml = mls.amax(dim=0)
+        else:
+            out, lse, ml = ref.sparse_mla_decode_ref(q, kv_cache, indices, sm_scale, plan.d_v, topk_length,
+                                                     attn_sink, block_table, q_bias, with_max_logits=True)
+        plan.out.copy_(out)
+        plan.lse.copy_(lse)
+        if plan.with_max_logits:
+            plan.max_logits.copy_(ml)
+            return plan.out, plan.lse, plan.max_logits
+        return plan.out, plan.lse
+
+    def merge(self, outs, lses, attn_sink, out_dtype):
+        return ref.merge_attn_partials_ref(outs, lses, attn_sink, out_dtype)
 
 
 class _LazyBackend:
@@ -257,3 +281,23 @@ def select(op: str, p: Problem) -> Backend:
         raise BackendUnavailableError(f"{ENV_BACKEND}={choice} cannot serve {op}: {reason}")
     _warn_once(f"mla_kernels: {name} kernels do not serve this {op} call ({reason}); using the PyTorch reference")
     return _REFERENCE
+
+
+def serving_kernel(op: str, p) -> Optional[Backend]:
+    """The kernel backend that :func:`select` would return for ``op`` on ``p`` -- or None when
+    it would fall back to the reference, or when the backend is not hardware-verified (no
+    canary is run).  Never warns: used to route a call to another op's kernels (the forward's
+    small-``s_q`` rows to the split decode)."""
+    choice = _requested()
+    if choice == "reference" or not _is_cuda(p.device):
+        return None
+    arch = _arch_of(p.device)
+    if arch is None or (choice != "auto" and choice != arch):
+        return None
+    lb = _KERNELS[arch]
+    backend = lb.get()
+    if backend is None or not backend.hardware_verified:
+        return None
+    if backend.unavailable_reason(p.device) is not None or backend.supports(op, p) is not None:
+        return None
+    return backend

@@ -36,6 +36,10 @@ __all__ = [
     "sparse_mla_bwd_ref",
     "effective_lse",
     "scatter_add_rows",
+    "merge_attn_partials_ref",
+    "decode_physical_indices",
+    "sparse_mla_decode_ref",
+    "decode_split_partials_ref",
 ]
 
 # Budget (bytes) for the per-chunk temporaries: gathered KV rows and the score matrices.
@@ -294,3 +298,165 @@ def sparse_mla_bwd_ref(
     if return_attn_sum:
         return res + (attn_sum,)
     return res
+
+
+@torch.no_grad()
+def merge_attn_partials_ref(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    attn_sink: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``n`` partial results of one attention over disjoint parts of its keys.
+
+    ``outs [n, ..., h, d_v]`` (each part normalised by its own softmax sum) and ``lses [n, ..., h]``
+    (natural log; ``+inf`` marks an empty part, whose ``out`` is ignored).  With
+    ``m = max_i lse_i`` and ``w_i = exp(lse_i - lse)``::
+
+        lse = m + log(sum_i exp(lse_i - m))        out = sum_i w_i * out_i
+
+    An all-empty row gives ``out = 0`` and ``lse = +inf``.  ``attn_sink [h]`` is applied once,
+    after the merge, as in the forward: ``out *= exp(lse) / (exp(lse) + exp(sink))``, ``lse`` kept.
+    Returns ``(out [..., h, d_v]`` in ``out_dtype`` (default ``outs.dtype``), ``lse [..., h]`` float32
+    -- float64 when ``outs`` is float64).
+    """
+    cdt = compute_dtype(outs.dtype)
+    x = lses.to(cdt)
+    x = torch.where(torch.isposinf(x) | torch.isnan(x), torch.full_like(x, -math.inf), x)
+    m = x.amax(dim=0) if x.shape[0] else torch.full(x.shape[1:], -math.inf, dtype=cdt, device=x.device)
+    empty = torch.isneginf(m)
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
+    w = torch.exp(x - m_safe)  # 0 for empty parts
+    s = w.sum(dim=0)
+    lse = torch.where(empty, torch.full_like(m, math.inf), m_safe + torch.log(torch.where(empty, torch.ones_like(s), s)))
+    wn = w / torch.where(empty, torch.ones_like(s), s)
+    o = outs.to(cdt)
+    # parts with weight 0 never contribute, whatever their out holds (0 * inf / nan would)
+    contrib = torch.where(wn[..., None] > 0, wn[..., None] * o, torch.zeros_like(o))
+    out = contrib.sum(dim=0)
+    if attn_sink is not None:
+        sink = attn_sink.to(cdt)
+        out = out * torch.sigmoid(lse - sink)[..., None]
+        out = torch.where(empty[..., None], torch.zeros_like(out), out)
+    return out.to(out_dtype or outs.dtype), lse
+
+
+def decode_physical_indices(
+    indices: torch.Tensor,
+    n_rows: int,
+    page_size: int,
+    block_table: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Physical rows of the flattened paged cache ``[num_pages * page_size, d]`` for decode
+    ``indices [b, s_q, topk]``; -1 where the slot is invalid.
+
+    Without ``block_table`` the indices already are physical ids (``page * page_size + offset``);
+    values outside ``[0, n_rows)`` are invalid.  With ``block_table [b, max_pages]`` they are
+    logical positions ``pos`` of sequence ``b``: the row is ``block_table[b, pos // page_size] *
+    page_size + pos % page_size``; a negative ``pos``, ``pos // page_size >= max_pages`` or a
+    page entry outside ``[0, num_pages)`` is invalid.
+    """
+    idx = indices.long()
+    if block_table is None:
+        ok = (idx >= 0) & (idx < n_rows)
+        return torch.where(ok, idx, torch.full_like(idx, -1))
+    b, max_pages = block_table.shape
+    num_pages = n_rows // page_size if page_size else 0
+    page_i = torch.div(idx.clamp_min(0), page_size, rounding_mode="floor")
+    ok = (idx >= 0) & (page_i < max_pages)
+    bt = block_table.long().to(idx.device)
+    page = bt.gather(1, page_i.clamp(max=max(max_pages - 1, 0)).reshape(b, -1)).reshape(idx.shape)
+    ok &= (page >= 0) & (page < num_pages)
+    phys = page * page_size + idx.clamp_min(0) % page_size
+    return torch.where(ok, phys, torch.full_like(idx, -1))
+
+
+@torch.no_grad()
+def sparse_mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    q_bias: Optional[torch.Tensor] = None,
+    with_max_logits: bool = False,
+):
+    """Sparse MLA decode = the reference forward on the flattened decode tokens.
+
+    ``q [b, s_q, h_q, d_qk]``; ``kv_cache [num_pages, page_size, 1, d_qk]`` (or a flat
+    ``[n, d_qk]`` / ``[n, 1, d_qk]`` cache: one page of ``n`` rows); ``indices [b, s_q, topk]``
+    (physical ids, or logical positions with ``block_table``, see :func:`decode_physical_indices`);
+    ``topk_length [b]`` (per request) or ``[b, s_q]``; ``q_bias [b, h_q, d_qk]`` added to every
+    query of request ``b`` before ``q.k`` (the sum rounded to q's dtype once).
+
+    Returns ``(out [b, s_q, h_q, d_v]`` in q's dtype, ``lse [b, s_q, h_q])`` -- and ``max_logits``
+    third with ``with_max_logits``.
+    """
+    b, s_q, h_q, d_qk = q.shape
+    if kv_cache.dim() == 4:
+        page_size = kv_cache.shape[1]
+    else:
+        page_size = kv_cache.shape[0]
+    kv2 = kv_cache.reshape(-1, d_qk)
+    phys = decode_physical_indices(indices, kv2.shape[0], page_size, block_table)
+    cdt = compute_dtype(q.dtype)
+    qf = q.to(cdt)
+    if q_bias is not None:
+        # q + q_bias in q's dtype (rounded once), as a caller adding it before the call would
+        # get -- and as the kernels' fused Q load computes it
+        qf = (qf + q_bias.to(cdt)[:, None]).to(q.dtype).to(cdt)
+    tl = None
+    if topk_length is not None:
+        tl = topk_length.reshape(b, -1).expand(b, s_q).reshape(-1)
+    out, ml, lse = sparse_mla_fwd_ref(
+        qf.reshape(b * s_q, h_q, d_qk), kv2, phys.reshape(b * s_q, -1), sm_scale, d_v, tl, attn_sink,
+    )
+    res = (out.to(q.dtype).reshape(b, s_q, h_q, d_v), lse.reshape(b, s_q, h_q))
+    if with_max_logits:
+        res = res + (ml.reshape(b, s_q, h_q),)
+    return res
+
+
+@torch.no_grad()
+def decode_split_partials_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    num_splits: int,
+    blocks_per_split: int,
+    topk_length: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    q_bias: Optional[torch.Tensor] = None,
+    block: int = 64,
+):
+    """The split-top-k decode's partials: split ``i`` attends to slots ``[i * bps * block,
+    (i + 1) * bps * block)`` (and ``< topk_length``) only.
+
+    Returns ``(out_parts [n, b, s_q, h_q, d_v]`` float32 (float64 for float64 inputs), each part
+    normalised by its own softmax sum and 0 when empty, ``lse_parts [n, b, s_q, h_q]`` (``+inf``
+    when empty), ``max_logits_parts)``.  :func:`merge_attn_partials_ref` of them equals
+    :func:`sparse_mla_decode_ref` up to rounding.
+    """
+    b, s_q, h_q, _ = q.shape
+    topk = indices.shape[-1]
+    cdt = compute_dtype(q.dtype)
+    chunk = blocks_per_split * block
+    outs, lses, mls = [], [], []
+    for i in range(num_splits):
+        lo = min(i * chunk, topk)
+        hi = min(lo + chunk, topk)
+        idx_i = indices[..., lo:hi]
+        tl_i = None
+        if topk_length is not None:
+            tl_i = (topk_length.long() - lo).clamp(0, hi - lo)
+        o, l_, m = sparse_mla_decode_ref(q.to(cdt), kv_cache, idx_i, sm_scale, d_v, tl_i, None, block_table,
+                                         q_bias, with_max_logits=True)
+        outs.append(o)
+        lses.append(l_)
+        mls.append(m)
+    return torch.stack(outs), torch.stack(lses), torch.stack(mls)

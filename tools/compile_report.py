@@ -47,7 +47,9 @@ def kernels_for(arch):
 
     if arch == "sm_90a":
         from mla_kernels.common.segment_sum import compile_segment_sum
-        from mla_kernels.sm90 import compile_attn_dist, compile_bwd, compile_fwd
+        from mla_kernels.sm90 import (
+            compile_attn_dist, compile_bwd, compile_combine, compile_decode, compile_decode_narrow, compile_fwd,
+        )
 
         return [
             ("sm90_fwd_d576_h128", lambda a, **kw: compile_fwd(576, 128, False, False, a, **kw)),
@@ -63,6 +65,15 @@ def kernels_for(arch):
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
             ("segment_sum_d576_bf16", lambda a, **kw: compile_segment_sum(576, a, bf16_rows=True, **kw)),
+            ("sm90_decode_d576_h128_split", lambda a, **kw: compile_decode(576, 128, True, a, **kw)),
+            ("sm90_decode_d576_h64_direct", lambda a, **kw: compile_decode(576, 64, False, a, **kw)),
+            ("sm90_decode_d512_h128_split", lambda a, **kw: compile_decode(512, 128, True, a, **kw)),
+            ("sm90_decode_narrow_d576_h32_split", lambda a, **kw: compile_decode_narrow(576, 32, True, a, **kw)),
+            ("sm90_decode_narrow_d576_h16_direct", lambda a, **kw: compile_decode_narrow(576, 16, False, a, **kw)),
+            ("sm90_decode_narrow_d512_h32_direct", lambda a, **kw: compile_decode_narrow(512, 32, False, a, **kw)),
+            ("sm90_decode_narrow_d576_h8_split", lambda a, **kw: compile_decode_narrow(576, 8, True, a, **kw)),
+            ("combine_f32_bf16_d512", lambda a, **kw: compile_combine(512, "f32", "bf16", a, **kw)),
+            ("combine_bf16_bf16_d512", lambda a, **kw: compile_combine(512, "bf16", "bf16", a, **kw)),
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     if arch in ("sm_100a", "sm_103a"):

@@ -4,7 +4,10 @@ A backend is an object with the methods below.  The API validates and normalises
 into a :class:`~mla_kernels.common.problem.Problem`, asks ``dispatch`` for a backend, pads
 ``topk`` to the backend's ``topk_block`` with invalid (-1) slots, and calls it.
 
-Ops are named ``"fwd"``, ``"attn_dist"`` and ``"bwd"``.
+Ops are named ``"fwd"``, ``"attn_dist"``, ``"bwd"``, ``"decode"`` (split-top-k decode on a
+paged cache, driven by a :class:`~mla_kernels.decode.DecodePlan`) and ``"merge"`` (the lse merge
+of partial results).  For ``decode`` and ``merge`` ``supports`` receives the plan / a
+:class:`~mla_kernels.common.problem.MergeProblem` instead of a ``Problem``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from .problem import Problem
 
-OPS = ("fwd", "attn_dist", "bwd")
+OPS = ("fwd", "attn_dist", "bwd", "decode", "merge")
 
 
 class Backend:
@@ -63,4 +66,18 @@ class Backend:
         deterministic: bool = False,
         return_attn_sum: bool = False,
     ):
+        raise NotImplementedError
+
+    def prepare_decode(self, plan) -> None:
+        """Called once when ``plan`` is made with this backend (compile, placeholders)."""
+
+    def decode(self, plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias):
+        """One decode step into ``plan``'s buffers: returns ``(out, lse)`` (+ ``max_logits`` with
+        ``plan.with_max_logits``), views of the plan's buffers."""
+        raise NotImplementedError
+
+    def merge(self, outs: torch.Tensor, lses: torch.Tensor, attn_sink: Optional[torch.Tensor],
+              out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(out [R, h, d_v], lse [R, h])`` of ``n`` partials ``outs [n, R, h, d_v]``, ``lses [n, R, h]``
+        (contiguous; ``R`` = the flattened leading dims), ``attn_sink [h]`` float32 or None."""
         raise NotImplementedError

@@ -67,3 +67,14 @@ class Problem:
     def with_indices(self, indices: torch.Tensor) -> "Problem":
         """A copy with other indices (used to pad ``topk`` to a kernel's block)."""
         return replace(self, indices=indices)
+
+
+@dataclass(frozen=True)
+class MergeProblem:
+    """What dispatch needs to pick a backend for ``merge_attn_partials``."""
+
+    device: torch.device
+    dtype: torch.dtype  # of the parts' outs
+    out_dtype: torch.dtype
+    d_v: int
+    h_q: int

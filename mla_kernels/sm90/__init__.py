@@ -12,12 +12,16 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import _compile
+from ..common import decode_host
 from ..common.kernel_backend import (
     CuteKernelBackend, attn_dist_fake_args, bwd_fake_args, cached, fwd_fake_args,
 )
 from ..common.problem import Problem
 
-__all__ = ["BACKEND", "Sm90Backend", "compile_fwd", "compile_attn_dist", "compile_bwd"]
+__all__ = [
+    "BACKEND", "Sm90Backend", "compile_fwd", "compile_attn_dist", "compile_bwd", "compile_decode",
+    "compile_decode_narrow", "compile_combine",
+]
 
 
 def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_90a", **kw):
@@ -58,6 +62,32 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
                                            arch=arch, **kw)
 
 
+def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128, **kw):
+    """Compile the sm90 split decode for h_q a multiple of 64 (no GPU needed)."""
+    from ..common.decode_host import compile_decode_kernel
+    from .decode import SparseMlaDecodeSm90
+
+    return compile_decode_kernel(SparseMlaDecodeSm90(d_qk, split, l2_prefetch=l2_prefetch), d_qk, h_q, split, arch,
+                                 **kw)
+
+
+def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128, **kw):
+    """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed)."""
+    from ..common.decode_host import compile_decode_kernel
+    from .decode_narrow import SparseMlaDecodeNarrowSm90
+
+    return compile_decode_kernel(SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch), d_qk, h_q,
+                                 split, arch, **kw)
+
+
+def compile_combine(d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", arch: str = "sm_90a",
+                    pdl: bool = False, **kw):
+    """Compile the lse combine (``common/combine.py``) for sm_90a (no GPU needed)."""
+    from ..common.combine import compile_combine as _cc
+
+    return _cc(d_v, in_dtype, out_dtype, arch, pdl, **kw)
+
+
 class Sm90Backend(CuteKernelBackend):
     name = "sm90"
     topk_block = 64
@@ -73,6 +103,24 @@ class Sm90Backend(CuteKernelBackend):
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
         return cached(("SparseMlaFwdSm90", p.d_qk, p.h_q, has_tl, has_sink, arch),
                       lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch))
+
+    # -- decode and merge (common/decode_host.py) ------------------------------------------------
+    def supports(self, op, p):
+        if op == "decode":
+            return decode_host.decode_reason(p)
+        if op == "merge":
+            return decode_host.merge_reason(p)
+        return super().supports(op, p)
+
+    def prepare_decode(self, plan):
+        decode_host.prepare_decode(plan, compile_decode, compile_decode_narrow, compile_combine)
+
+    def decode(self, plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias):
+        return decode_host.run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table,
+                                      q_bias)
+
+    def merge(self, outs, lses, attn_sink, out_dtype):
+        return decode_host.run_merge(outs, lses, attn_sink, out_dtype, compile_combine, outs.device)
 
     def attn_dist_heads_per_cta(self, h_q: int) -> int:
         return 128 if attn_dist_mode(h_q) == "heads" else 64

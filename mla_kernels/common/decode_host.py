@@ -1,0 +1,239 @@
+"""The host side of the decode kernels: their argument contract (fake tensors for compile-only
+tracing), compiled-kernel lookup and the launch sequence of one decode step.
+
+Argument contract of a decode kernel (``sm90/decode.py``, ``sm90/decode_narrow.py``)::
+
+    (q [b, s_q, h_q, d_qk] bf16, q_bias [b|1, h_q, d_qk] bf16, kv_cache [pages, page_size, 1, d_qk] bf16,
+     indices [b, s_q, topk] i32, block_table [b|1, max_pages] i32, topk_length [b | b*s_q | 1] i32,
+     attn_sink [h_q | 1] f32, out, lse, max_logits, scale_log2 f32, flags i32, page_size i32,
+     tl_stride_b i32, tl_stride_s i32, n_splits i32, blocks_per_split i32, stream)
+
+``out`` is ``[n_splits, b*s_q, h_q, d_v]`` float32 (split mode) or ``[b, s_q, h_q, d_v]`` bf16
+(direct mode); ``lse`` / ``max_logits`` ``[n_splits, b*s_q, h_q]`` or ``[b, s_q, h_q]`` float32.
+Absent optional inputs are small cached placeholders with the flag bit cleared
+(``common/decode_parts.F_*``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import host
+
+D_V = 512
+
+# Runtime flag bits of the decode kernels' ``flags`` argument (read by ``decode_parts``).
+F_BIAS = 1
+F_BLOCK_TABLE = 2
+F_TOPK_LENGTH = 4
+F_SINK = 8
+F_MAX_LOGITS = 16
+
+
+def decode_fake_args(d_qk: int, h_q: int, split: bool):
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    b, s_q, nb, pages, psz, b2, s2, topk, nbt, maxp, ntl, ns = (cute.sym_int() for _ in range(12))
+    o0, o1, l0, l1, m0, m1 = (cute.sym_int() for _ in range(6))
+    o_dtype = Float32 if split else BFloat16
+    return (
+        host.fake(BFloat16, (b, s_q, h_q, d_qk)),
+        host.fake(BFloat16, (nb, h_q, d_qk)),
+        host.fake(BFloat16, (pages, psz, 1, d_qk)),
+        host.fake(Int32, (b2, s2, topk), align=4),
+        host.fake(Int32, (nbt, maxp), align=4),
+        host.fake(Int32, (ntl,), align=4),
+        host.fake(Float32, (ns,), align=4),
+        host.fake(o_dtype, (o0, o1, h_q, D_V)),
+        host.fake(Float32, (l0, l1, h_q), align=4),
+        host.fake(Float32, (m0, m1, h_q), align=4),
+        Float32(1.0),
+        Int32(0),
+        Int32(1),
+        Int32(1),
+        Int32(0),
+        Int32(1),
+        Int32(1),
+        host.fake_stream(),
+    )
+
+
+def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, **kw):
+    from .. import _compile
+
+    return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split), arch=arch, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the kernels serve
+# ---------------------------------------------------------------------------------------------
+
+NARROW_HEADS = (8, 16, 24, 32)
+
+
+def decode_reason(plan) -> Optional[str]:
+    """None if the decode kernels serve ``plan``'s static configuration, else why not."""
+    if plan.dtype != torch.bfloat16:
+        return f"dtype {plan.dtype} (kernels take bfloat16)"
+    if plan.d_qk not in (512, 576):
+        return f"d_qk={plan.d_qk} (kernels take 512 or 576)"
+    if plan.d_v != D_V:
+        return f"d_v={plan.d_v} (kernels take {D_V})"
+    if plan.h_q not in NARROW_HEADS and plan.h_q % 64:
+        return f"h_q={plan.h_q} (decode kernels take 8, 16, 24, 32 or a multiple of 64)"
+    return None
+
+
+def merge_reason(mp) -> Optional[str]:
+    """None if the combine kernel serves a merge of ``mp`` (a MergeProblem)."""
+    if mp.dtype not in (torch.bfloat16, torch.float32):
+        return f"parts dtype {mp.dtype} (the combine takes bfloat16 or float32)"
+    if mp.out_dtype not in (torch.bfloat16, torch.float32):
+        return f"output dtype {mp.out_dtype} (the combine writes bfloat16 or float32)"
+    vec = 8 if mp.dtype == torch.bfloat16 else 4
+    if mp.d_v % (32 * vec) or mp.d_v == 0:
+        return f"d_v={mp.d_v} (the combine needs a multiple of {32 * vec} for {mp.dtype} parts)"
+    return None
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return "bf16" if dt == torch.bfloat16 else "f32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan preparation and one decode step
+# ---------------------------------------------------------------------------------------------
+
+
+ENV_PDL = "MLA_KERNELS_DECODE_PDL"
+ENV_L2_PREFETCH = "MLA_KERNELS_DECODE_L2_PREFETCH"
+
+
+def decode_knobs():
+    """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
+    ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
+    dependent launch after the decode kernel -- measured no faster on an H200 and its launch
+    costs more host time, see docs/PERF.md) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
+    default, ``256`` as the forward's gather -- 3.5-5% slower at b 128 --, ``0`` none: the L2
+    prefetch size of the KV gather's cp.async)."""
+    import os
+
+    pdl = os.environ.get(ENV_PDL, "0").strip()
+    pf = os.environ.get(ENV_L2_PREFETCH, "128").strip()
+    if pdl not in ("0", "1"):
+        raise ValueError(f"{ENV_PDL}={pdl!r}: expected 0 or 1")
+    if pf not in ("0", "128", "256"):
+        raise ValueError(f"{ENV_L2_PREFETCH}={pf!r}: expected 0, 128 or 256")
+    return pdl == "1", int(pf)
+
+
+def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
+    """Compile the plan's kernels (through the compile cache) and make every placeholder and
+    view a call needs, so that a call allocates nothing (and can be captured in a CUDA graph)."""
+    from .. import _compile
+
+    arch = _compile.arch_for_device(plan.device)
+    split = plan.num_splits > 1
+    pdl, pf = decode_knobs()
+    if plan.h_q in NARROW_HEADS:
+        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, arch),
+                                       lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, l2_prefetch=pf))[1]
+    else:
+        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, arch),
+                                       lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, l2_prefetch=pf))[1]
+    dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
+    st = plan.state
+    st["kernel"] = kern
+    st["bias0"] = torch.zeros(1, h, plan.d_qk, dtype=torch.bfloat16, device=dev)
+    st["bt0"] = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    st["tl0"] = torch.zeros(1, dtype=torch.int32, device=dev)
+    st["sink0"] = torch.zeros(1, dtype=torch.float32, device=dev)
+    st["ml0"] = torch.zeros(1, 1, h, dtype=torch.float32, device=dev)
+    st["scale_log2"] = None
+    if split:
+        n = plan.num_splits
+        st["combine"] = _compile.cached_compile(("LseCombine", plan.d_v, "f32", "bf16", pdl, arch),
+                                                lambda: compile_combine(plan.d_v, "f32", "bf16", arch, pdl=pdl))[1]
+        st["parts3"] = plan.out_parts.view(n, T * h, plan.d_v)
+        st["lse_parts2"] = plan.lse_parts.view(n, T * h)
+        st["out2"] = plan.out.view(T * h, plan.d_v)
+        st["lse1"] = plan.lse.view(T * h)
+        if plan.with_max_logits:
+            st["ml_out2"] = plan.max_logits.view(T, h)
+
+
+def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias):
+    """One decode step into ``plan``'s buffers (inputs already checked by the API)."""
+    st = plan.state
+    flags = 0
+    if q_bias is None:
+        q_bias = st["bias0"]
+    else:
+        flags |= F_BIAS
+    if block_table is None:
+        block_table = st["bt0"]
+    else:
+        flags |= F_BLOCK_TABLE
+    tl_b = tl_s = 0
+    if topk_length is None:
+        topk_length = st["tl0"]
+    else:
+        flags |= F_TOPK_LENGTH
+        if topk_length.dim() == 2:
+            topk_length = topk_length.view(-1)
+            tl_b, tl_s = plan.s_q, 1
+        else:
+            tl_b = 1
+    if kv_cache.dim() != 4:
+        kv_cache = kv_cache.view(1, kv_cache.shape[0], 1, kv_cache.shape[-1])
+    page_size = kv_cache.shape[1]
+    scale_log2 = sm_scale * math.log2(math.e)
+    if plan.num_splits > 1:
+        ml = plan.max_logits_parts if plan.with_max_logits else st["ml0"]
+        if plan.with_max_logits:
+            flags |= F_MAX_LOGITS
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, st["sink0"], plan.out_parts,
+                     plan.lse_parts, ml, scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits,
+                     plan.blocks_per_split)
+        has_sink = attn_sink is not None
+        st["combine"](st["parts3"], st["lse_parts2"], attn_sink if has_sink else st["sink0"], st["out2"], st["lse1"],
+                      plan.h_q, 1 if has_sink else 0)
+        if plan.with_max_logits:
+            torch.amax(plan.max_logits_parts, dim=0, out=st["ml_out2"])
+    else:
+        ml = plan.max_logits if plan.with_max_logits else st["ml0"]
+        if plan.with_max_logits:
+            flags |= F_MAX_LOGITS
+        if attn_sink is None:
+            attn_sink = st["sink0"]
+        else:
+            flags |= F_SINK
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out, plan.lse, ml,
+                     scale_log2, flags, page_size, tl_b, tl_s, 1, plan.blocks_per_split)
+    if plan.with_max_logits:
+        return plan.out, plan.lse, plan.max_logits
+    return plan.out, plan.lse
+
+
+def run_merge(outs, lses, attn_sink, out_dtype, compile_combine, device):
+    """``merge_attn_partials`` on the combine kernel: ``outs [n, R, h, d_v]``, ``lses [n, R, h]``
+    (contiguous) -> ``(out [R, h, d_v], lse [R, h])``."""
+    from .. import _compile
+
+    arch = _compile.arch_for_device(device)
+    n, R, h, d_v = outs.shape
+    in_name, out_name = _dtype_name(outs.dtype), _dtype_name(out_dtype)
+    fn = _compile.cached_compile(("LseCombine", d_v, in_name, out_name, False, arch),
+                                 lambda: compile_combine(d_v, in_name, out_name, arch))[1]
+    out = host.alloc((R, h, d_v), out_dtype, device)
+    lse = host.alloc((R, h), torch.float32, device)
+    if attn_sink is None:
+        sink, has_sink = host.dummy(torch.float32, device, (1,)), 0
+    else:
+        sink, has_sink = attn_sink, 1
+    fn(outs.view(n, R * h, d_v), lses.view(n, R * h), sink, out.view(R * h, d_v), lse.view(R * h), h, has_sink)
+    return out, lse

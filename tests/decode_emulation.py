@@ -1,0 +1,93 @@
+"""CPU stand-ins for the compiled decode and combine kernels, implementing their argument
+contract (``common/decode_host.py``) with the reference.  Injected through
+``decode_host.prepare_decode``'s compile functions, they let the CPU tests drive the real host
+side -- flag bits, topk_length strides, page size, split views, the combine's flattened rows,
+placeholders -- and compare with the reference decode."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_kernels import reference as ref
+from mla_kernels.common import decode_host as dh
+
+
+class Calls:
+    def __init__(self):
+        self.log = []
+
+
+def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls):
+    def fn(q, bias, kv4, idx, bt, tl, sink, out, lse, ml, scale_log2, flags, page_size, tl_b, tl_s, n_splits, bps):
+        calls.log.append(("decode", d_qk, h_q, split, flags, n_splits, bps, tl_b, tl_s))
+        b, s_q, h, d = q.shape
+        assert (h, d) == (h_q, d_qk) and q.dtype == torch.bfloat16 and q.is_contiguous()
+        assert kv4.dim() == 4 and kv4.shape[2] == 1 and kv4.shape[3] == d and page_size == kv4.shape[1]
+        assert idx.dtype == torch.int32 and idx.shape[:2] == (b, s_q) and idx.is_contiguous()
+        assert bias.dim() == 3 and bias.shape[1:] == (h, d) and bias.dtype == torch.bfloat16
+        assert bt.dtype == torch.int32 and bt.dim() == 2 and tl.dtype == torch.int32 and tl.dim() == 1
+        assert sink.dtype == torch.float32 and sink.dim() == 1
+        assert lse.dim() == 3 and lse.shape[2] == h and ml.dim() == 3 and ml.shape[2] == h
+        T = b * s_q
+        topk = idx.shape[2]
+        if split:
+            assert out.shape == (n_splits, T, h, 512) and out.dtype == torch.float32
+            assert lse.shape == (n_splits, T, h)
+        else:
+            assert n_splits == 1 and out.shape == (b, s_q, h, 512) and out.dtype == torch.bfloat16
+            assert not (flags & dh.F_SINK) or sink.shape == (h,)
+        qe = q.float()
+        if flags & dh.F_BIAS:
+            assert bias.shape[0] == b
+            qe = (qe + bias.float()[:, None]).to(torch.bfloat16).float()  # the kernel rounds q + bias
+        block_table = bt if flags & dh.F_BLOCK_TABLE else None
+        tl_tok = None
+        if flags & dh.F_TOPK_LENGTH:
+            bi = torch.arange(b)[:, None]
+            si = torch.arange(s_q)[None, :]
+            tl_tok = tl[(bi * tl_b + si * tl_s).reshape(-1)].reshape(b, s_q).long().clamp(0, topk)
+        sm_scale = scale_log2 / math.log2(math.e)
+        outs, lses, mls = ref.decode_split_partials_ref(qe, kv4, idx, sm_scale, 512, n_splits, bps, tl_tok,
+                                                        block_table)
+        if split:
+            out.copy_(outs.reshape(n_splits, T, h, 512))
+            lse.copy_(lses.reshape(n_splits, T, h))
+            if flags & dh.F_MAX_LOGITS:
+                ml.copy_(mls.reshape(n_splits, T, h))
+        else:
+            o, l_ = outs[0], lses[0]
+            if flags & dh.F_SINK:
+                o = o * torch.sigmoid(l_ - sink)[..., None]
+                o = torch.where(torch.isposinf(l_)[..., None], torch.zeros_like(o), o)
+            out.copy_(o.to(torch.bfloat16))
+            lse.copy_(l_)
+            if flags & dh.F_MAX_LOGITS:
+                ml.copy_(mls[0])
+
+    return fn
+
+
+def make_combine(d_v: int, in_dtype: str, out_dtype: str, calls: Calls):
+    def fn(parts, lses, sink, out, lse, n_heads, has_sink):
+        calls.log.append(("combine", d_v, in_dtype, out_dtype, n_heads, has_sink))
+        n, P, dv = parts.shape
+        assert dv == d_v and lses.shape == (n, P) and out.shape == (P, d_v) and lse.shape == (P,)
+        assert P % n_heads == 0
+        o, l_ = ref.merge_attn_partials_ref(parts.reshape(n, P // n_heads, n_heads, d_v),
+                                            lses.reshape(n, P // n_heads, n_heads),
+                                            sink if has_sink else None, out.dtype)
+        out.copy_(o.reshape(P, d_v))
+        lse.copy_(l_.reshape(P))
+
+    return fn
+
+
+def emulated_compilers(calls: Calls):
+    """``(compile_wide, compile_narrow, compile_combine)`` as ``prepare_decode`` takes them."""
+    return (
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls)),
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls)),
+        lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
+    )

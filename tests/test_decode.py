@@ -1,0 +1,384 @@
+"""Decode and merge on the CPU: the reference math (merge of partials == unsplit forward, paged
+index translation, split emulation), the split rule, API validation, and the sm90 host side
+driven through emulated kernels (tests/decode_emulation.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mla_kernels as mk
+from mla_kernels import _compile, dispatch
+from mla_kernels import reference as ref
+from mla_kernels.common import decode_host
+from mla_kernels.decode import DecodePlan, choose_splits
+
+from decode_emulation import Calls, emulated_compilers
+
+
+def rnd(*shape, g, s=0.3, dtype=torch.float32):
+    return (torch.randn(*shape, generator=g) * s).to(dtype)
+
+
+def paged_case(b, s_q, h, d, topk, *, num_pages=40, page_size=16, max_pages=8, seed=0, dtype=torch.float32,
+               with_bt=True, invalid=True):
+    g = torch.Generator().manual_seed(seed)
+    kv = rnd(num_pages, page_size, 1, d, g=g, dtype=dtype)
+    q = rnd(b, s_q, h, d, g=g, dtype=dtype)
+    if with_bt:
+        bt = torch.randint(0, num_pages, (b, max_pages), generator=g).int()  # pages may be shared
+        bt[0, -1] = -1  # an unused page
+        if num_pages > 3:
+            bt[-1, 0] = num_pages + 3  # out of range page id: invalid slots
+        hi = max_pages * page_size
+    else:
+        bt = None
+        hi = num_pages * page_size
+    idx = torch.randint(0, hi, (b, s_q, topk), generator=g).int()
+    if invalid:
+        bad = torch.rand(b, s_q, topk, generator=g) < 0.1
+        idx = torch.where(bad, torch.randint(-5, 0, (b, s_q, topk), generator=g).int(), idx)
+        idx[..., : topk // 8] = torch.where(bad[..., : topk // 8], torch.full_like(idx[..., : topk // 8], hi + 7),
+                                            idx[..., : topk // 8])
+    idx[0, 0] = -1  # an empty row
+    return q, kv, idx, bt
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference math
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 5])
+@pytest.mark.parametrize("sink", [False, True])
+def test_merge_of_disjoint_parts_equals_unsplit(n_parts, sink):
+    g = torch.Generator().manual_seed(n_parts)
+    s_q, h, d, s_kv, topk = 7, 4, 32, 50, 30
+    q, kv = rnd(s_q, h, d, g=g, dtype=torch.float64), rnd(s_kv, d, g=g, dtype=torch.float64)
+    idx = torch.randint(-3, s_kv + 3, (s_q, topk), generator=g)
+    idx[2] = -1
+    sk = torch.randn(h, generator=g, dtype=torch.float64) if sink else None
+    if sink:
+        sk[0] = -math.inf
+    want_o, _, want_l = ref.sparse_mla_fwd_ref(q, kv, idx, 0.2, 16, attn_sink=sk)
+    part_of = torch.randint(0, n_parts, (topk,), generator=g)
+    outs, lses = [], []
+    for i in range(n_parts):
+        ii = torch.where(part_of[None] == i, idx, torch.full_like(idx, -1))
+        o, _, l_ = ref.sparse_mla_fwd_ref(q, kv, ii, 0.2, 16)  # no sink per part
+        outs.append(o)
+        lses.append(l_)
+    outs, lses = torch.stack(outs), torch.stack(lses)
+    # an empty part must be ignored whatever its out holds
+    outs = torch.where(torch.isposinf(lses)[..., None], torch.full_like(outs, math.nan), outs)
+    out, lse = mk.merge_attn_partials(outs, lses, sk)
+    assert lse.dtype == torch.float64 and out.dtype == torch.float64
+    torch.testing.assert_close(out, want_o, rtol=1e-10, atol=1e-12)
+    fin = torch.isfinite(want_l)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.isposinf(lse[2]).all() and (out[2] == 0).all()
+    torch.testing.assert_close(lse[fin], want_l[fin], rtol=1e-12, atol=1e-12)
+
+
+def test_merge_all_empty_and_out_dtype():
+    outs = torch.randn(3, 2, 5, 4, 16)
+    lses = torch.full((3, 2, 5, 4), math.inf)
+    lses[1, 0, 0, 0] = 0.5
+    out, lse = mk.merge_attn_partials(outs, lses, torch.zeros(4), out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 4, 16) and lse.shape == (2, 5, 4)
+    assert (out[1] == 0).all() and torch.isposinf(lse[1]).all()
+    torch.testing.assert_close(out[0, 0, 0].float(), (outs[1, 0, 0, 0] * torch.sigmoid(torch.tensor(0.5))),
+                               rtol=1e-2, atol=1e-2)
+    assert lse[0, 0, 0] == 0.5
+    out, lse = mk.merge_attn_partials(torch.zeros(0, 2, 4, 8), torch.zeros(0, 2, 4))
+    assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+def test_merge_validation():
+    o, l_ = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="lses must have shape"):
+        mk.merge_attn_partials(o, l_[:, :2])
+    with pytest.raises(TypeError, match="lses must be float32"):
+        mk.merge_attn_partials(o, l_.half())
+    with pytest.raises(ValueError, match="at least 3-D"):
+        mk.merge_attn_partials(o[0, 0], l_[0, 0])
+    with pytest.raises(ValueError, match=r"attn_sink must have shape \[h_q\]=\[4\]"):
+        mk.merge_attn_partials(o, l_, torch.zeros(3))
+    with pytest.raises(TypeError, match="outs must be a torch.Tensor"):
+        mk.merge_attn_partials([o], l_)
+
+
+def test_physical_indices_through_block_table():
+    g = torch.Generator().manual_seed(3)
+    page_size, num_pages = 4, 10
+    bt = torch.tensor([[3, 7, -1], [9, 12, 0]], dtype=torch.int32)
+    idx = torch.tensor([[[0, 5, 11, -1, 12, 8]], [[3, 4, 8, 9, 100, -7]]], dtype=torch.int32)
+    got = ref.decode_physical_indices(idx, num_pages * page_size, page_size, bt)
+    want = []
+    for b in range(2):
+        row = []
+        for pos in idx[b, 0].tolist():
+            p_i = pos // page_size if pos >= 0 else -1
+            if pos < 0 or p_i >= bt.shape[1]:
+                row.append(-1)
+                continue
+            page = bt[b, p_i].item()
+            row.append(page * page_size + pos % page_size if 0 <= page < num_pages else -1)
+        want.append([row])
+    assert got.tolist() == want
+    phys = ref.decode_physical_indices(torch.tensor([[[0, 39, 40, -2]]]), 40, page_size)
+    assert phys.tolist() == [[[0, 39, -1, -1]]]
+    del g
+
+
+@pytest.mark.parametrize("tl_shape", [None, "b", "bs"])
+def test_decode_reference_equals_forward_on_flattened_tokens(tl_shape):
+    b, s_q, h, d, topk = 3, 2, 8, 48, 40
+    q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=1)
+    g = torch.Generator().manual_seed(5)
+    bias = rnd(b, h, d, g=g, s=0.1)
+    tl = None
+    if tl_shape == "b":
+        tl = torch.tensor([40, 7, 0], dtype=torch.int32)
+    elif tl_shape == "bs":
+        tl = torch.tensor([[40, 3], [0, 17], [39, 40]], dtype=torch.int32)
+    sink = torch.randn(h, generator=g)
+    out, lse = mk.sparse_mla_decode(q, kv, idx, 0.1, 32, tl, sink, block_table=bt, q_bias=bias)
+    # by hand: translate, add the bias, flatten, forward
+    phys = ref.decode_physical_indices(idx, kv.shape[0] * kv.shape[1], kv.shape[1], bt)
+    qf = (q + bias[:, None]).reshape(b * s_q, h, d)
+    tlf = None if tl is None else tl.reshape(b, -1).expand(b, s_q).reshape(-1)
+    w_o, _, w_l = ref.sparse_mla_fwd_ref(qf, kv.reshape(-1, d), phys.reshape(b * s_q, topk), 0.1, 32, tlf, sink)
+    torch.testing.assert_close(out.reshape(b * s_q, h, 32), w_o, rtol=1e-5, atol=1e-6)
+    assert torch.equal(lse.reshape(-1, h).isinf(), w_l.isinf())
+    torch.testing.assert_close(lse.reshape(-1, h)[w_l.isfinite()], w_l[w_l.isfinite()])
+    assert (out[0, 0] == 0).all() and torch.isposinf(lse[0, 0]).all()
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_split_emulation_matches_unsplit(num_splits):
+    b, s_q, h, d, topk = 2, 2, 16, 40, 300
+    q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=num_splits, num_pages=64, max_pages=40)
+    tl = torch.tensor([[300, 129], [64, 0]], dtype=torch.int32)
+    sink = torch.randn(h)
+    plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, d_v=32, device="cpu", dtype=torch.float32,
+                          num_splits=num_splits, with_max_logits=True)
+    assert plan.num_splits > 1 and plan.backend_name == "reference"
+    out, lse, ml = mk.sparse_mla_decode(q, kv, idx, 0.1, 32, tl, sink, block_table=bt, plan=plan)
+    w_o, w_l, w_m = ref.sparse_mla_decode_ref(q, kv, idx, 0.1, 32, tl, sink, bt, with_max_logits=True)
+    torch.testing.assert_close(out, w_o, rtol=1e-5, atol=1e-6)
+    fin = w_l.isfinite()
+    assert torch.equal(fin, lse.isfinite()) and torch.equal(w_m.isfinite(), ml.isfinite())
+    torch.testing.assert_close(lse[fin], w_l[fin])
+    torch.testing.assert_close(ml[fin], w_m[fin])
+    assert out.data_ptr() == plan.out.data_ptr()  # the plan's buffer
+
+
+def test_choose_splits_rule():
+    # b * s_q * head blocks >= SMs: one split (direct bf16 output, no combine)
+    assert choose_splits(64, 2, 128, 2048, 132) == (1, 32)
+    assert choose_splits(128, 1, 64, 2048, 132) == (1, 32)
+    assert choose_splits(128, 1, 16, 2048, 132) == (1, 32)
+    # small batches: one wave, >= 2 blocks per split
+    assert choose_splits(1, 1, 128, 2048, 132) == (16, 2)
+    assert choose_splits(2, 2, 128, 2048, 132) == (16, 2)
+    assert choose_splits(1, 1, 16, 2048, 132) == (16, 2)
+    assert choose_splits(1, 1, 16, 512, 132) == (4, 2)
+    assert choose_splits(40, 1, 64, 2048, 132) == (3, 11)
+    for b, s_q, h, topk in [(1, 1, 8, 100), (3, 2, 64, 777), (5, 4, 32, 64), (70, 1, 16, 2048)]:
+        n, bps = choose_splits(b, s_q, h, topk, 132)
+        blocks = -(-topk // 64)
+        assert n * bps >= blocks and (n - 1) * bps < blocks  # no empty split
+        assert n == 1 or bps >= 2
+
+
+def test_decode_validation():
+    b, s_q, h, d, topk = 2, 1, 16, 64, 32
+    q, kv, idx, bt = paged_case(b, s_q, h, d, topk)
+    call = lambda **kw: mk.sparse_mla_decode(**{**dict(q=q, kv_cache=kv, indices=idx, sm_scale=0.1, d_v=32), **kw})
+    with pytest.raises(ValueError, match=r"kv_cache must have shape \[num_pages, page_size, 1, d_qk\]"):
+        call(kv_cache=kv.reshape(40, 16, d))
+    with pytest.raises(ValueError, match=r"kv_cache must have shape"):
+        call(kv_cache=kv.reshape(40, 8, 2, d))
+    with pytest.raises(ValueError, match="kv_cache's last dim"):
+        call(kv_cache=torch.zeros(10, 1, 1, d + 1))
+    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        call(kv_cache=torch.zeros(d, 40).t())
+    with pytest.raises(ValueError, match=r"decode supports h_q 8, 16, 24, 32 or a multiple of 64, got h_q=12"):
+        call(q=torch.zeros(b, s_q, 12, d))
+    with pytest.raises(ValueError, match=r"block_table must have shape \[b, max_pages\] with b=2"):
+        call(block_table=bt[:1])
+    with pytest.raises(TypeError, match="block_table must be int32 or int64"):
+        call(block_table=bt.float())
+    with pytest.raises(ValueError, match=r"q_bias must have shape \[b, h_q, d_qk\]"):
+        call(q_bias=torch.zeros(b, h, d - 1))
+    with pytest.raises(ValueError, match=r"topk_length must have shape \[b\]=\[2\] or \[b, s_q\]"):
+        call(topk_length=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"indices must have shape \[b, s_q, topk\]"):
+        call(indices=idx[0])
+    with pytest.raises(TypeError, match="indices must be int32 or int64"):
+        call(indices=idx.float())
+    with pytest.raises(ValueError, match="sm_scale must be > 0"):
+        call(sm_scale=0.0)
+    with pytest.raises(TypeError, match="kv_cache must have q's dtype"):
+        call(kv_cache=kv.double())
+    with pytest.raises(ValueError, match=r"attn_sink must have shape \[h_q\]=\[16\]"):
+        call(attn_sink=torch.zeros(h + 1))
+    plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, d_v=32, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="the plan was made for"):
+        call(q=torch.zeros(b + 1, s_q, h, d), indices=torch.zeros(b + 1, s_q, topk, dtype=torch.int32), plan=plan)
+    with pytest.raises(ValueError, match="indices has topk=31 but the plan was made for topk=32"):
+        call(indices=idx[..., :31].contiguous(), plan=plan)
+    with pytest.raises(TypeError, match="plan must be a DecodePlan"):
+        call(plan="plan")
+    with pytest.raises(ValueError, match="decode supports h_q"):
+        mk.decode_plan(1, 1, 48, 64)
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        mk.decode_plan(1, 1, 16, 0)
+    with pytest.raises(TypeError, match="b must be an int"):
+        mk.decode_plan(1.5, 1, 16, 64)
+    # int64 inputs are converted; out-of-range values become invalid slots
+    o1, l1 = call(indices=idx.long(), block_table=bt.long(), topk_length=torch.tensor([32, 5]))
+    o2, l2 = call(block_table=bt, topk_length=torch.tensor([32, 5], dtype=torch.int32))
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(l1, l2)
+
+
+def test_decode_empty_and_flat_cache():
+    q = torch.randn(2, 1, 8, 32)
+    kv = torch.randn(50, 32)
+    out, lse = mk.sparse_mla_decode(q, kv, torch.zeros(2, 1, 0, dtype=torch.int32), 0.1, 16)
+    assert out.shape == (2, 1, 8, 16) and (out == 0).all() and torch.isposinf(lse).all()
+    idx = torch.randint(0, 50, (2, 1, 10), dtype=torch.int32)
+    o1, _ = mk.sparse_mla_decode(q, kv, idx, 0.1, 16)
+    o2, _ = mk.sparse_mla_decode(q, kv.reshape(50, 1, 32), idx, 0.1, 16)
+    o3, _ = mk.sparse_mla_decode(q, kv.reshape(5, 10, 1, 32), idx, 0.1, 16)
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(o1, o3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sm90 host side, with emulated kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def emulated_sm90(monkeypatch):
+    """A DecodePlan maker whose backend is the real sm90 host code over emulated kernels."""
+    from mla_kernels.sm90 import Sm90Backend
+
+    calls = Calls()
+    monkeypatch.setattr(_compile, "_cache", {})
+    monkeypatch.setattr(_compile, "arch_for_device", lambda d: "sm_90a")
+    wide, narrow, combine = emulated_compilers(calls)
+
+    class Emulated(Sm90Backend):
+        def prepare_decode(self, plan):
+            decode_host.prepare_decode(plan, wide, narrow, combine)
+
+    backend = Emulated()
+
+    def make(b, s_q, h, topk, d_qk=576, num_splits=1, with_max_logits=False):
+        assert backend.supports("decode", DecodePlan(b, s_q, h, topk, d_qk, 512, torch.device("cpu"),
+                                                     torch.bfloat16, 1, 1)) is None
+        n_blocks = -(-topk // 64)
+        bps = -(-n_blocks // num_splits)
+        plan = DecodePlan(b, s_q, h, topk, d_qk, 512, torch.device("cpu"), torch.bfloat16, -(-n_blocks // bps), bps,
+                          with_max_logits=with_max_logits, backend=backend)
+        plan.allocate()
+        backend.prepare_decode(plan)
+        return plan
+
+    make.calls = calls
+    return make
+
+
+@pytest.mark.parametrize("h,num_splits", [(16, 1), (16, 3), (128, 1), (64, 4)])
+@pytest.mark.parametrize("opts", ["none", "all", "bt_tl2"])
+def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, opts):
+    b, s_q, d, topk = 3, 2, 576, 260
+    q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=h + num_splits, dtype=torch.bfloat16, num_pages=50,
+                                max_pages=20)
+    g = torch.Generator().manual_seed(7)
+    kw = {}
+    if opts in ("all", "bt_tl2"):
+        kw["block_table"] = bt
+    else:
+        idx = torch.where(idx >= 50 * 16, torch.full_like(idx, -1), idx)
+    tl = sink = bias = None
+    if opts == "all":
+        tl = torch.tensor([260, 65, 0], dtype=torch.int32)
+        sink = torch.randn(h, generator=g)
+        bias = rnd(b, h, d, g=g, s=0.1, dtype=torch.bfloat16)
+    if opts == "bt_tl2":
+        tl = torch.tensor([[260, 1], [128, 200], [0, 64]], dtype=torch.int32)
+    plan = emulated_sm90(b, s_q, h, topk, d, num_splits, with_max_logits=True)
+    assert plan.split == (num_splits > 1)
+    plan.out.fill_(math.nan)
+    plan.lse.fill_(math.nan)
+    out, lse, ml = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, tl, sink, q_bias=bias, plan=plan, **kw)
+    kinds = [c[0] for c in emulated_sm90.calls.log]
+    assert kinds == (["decode", "combine"] if plan.split else ["decode"])
+    flags = emulated_sm90.calls.log[0][4]
+    assert bool(flags & decode_host.F_BLOCK_TABLE) == ("block_table" in kw)
+    assert bool(flags & decode_host.F_TOPK_LENGTH) == (tl is not None)
+    assert bool(flags & decode_host.F_BIAS) == (bias is not None)
+    assert bool(flags & decode_host.F_SINK) == (sink is not None and not plan.split)  # split: the combine's
+    assert flags & decode_host.F_MAX_LOGITS
+    if plan.split:
+        assert emulated_sm90.calls.log[1][-1] == (1 if sink is not None else 0)
+    qr = q.float()
+    if bias is not None:
+        qr = (qr + bias.float()[:, None]).to(torch.bfloat16).float()
+    w_o, w_l, w_m = ref.sparse_mla_decode_ref(qr, kv.float(), idx, 0.05, 512, tl, sink, kw.get("block_table"),
+                                              with_max_logits=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.float(), w_o, rtol=1e-2, atol=2e-3)
+    fin = w_l.isfinite()
+    assert torch.equal(fin, lse.isfinite()) and torch.equal(fin, ml.isfinite())
+    torch.testing.assert_close(lse[fin], w_l[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ml[fin], w_m[fin], rtol=1e-5, atol=1e-5)
+    # a second call allocates nothing new and reuses the buffers
+    out2, _, _ = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, tl, sink, q_bias=bias, plan=plan, **kw)
+    assert out2.data_ptr() == out.data_ptr()
+
+
+def test_sm90_supports_decode_configs():
+    from mla_kernels.sm90 import Sm90Backend
+
+    be = Sm90Backend()
+    mk_plan = lambda h, d=576, dt=torch.bfloat16, dv=512: DecodePlan(1, 1, h, 64, d, dv, torch.device("cpu"), dt, 1, 1)
+    for h in (8, 16, 24, 32, 64, 128, 256):
+        assert be.supports("decode", mk_plan(h)) is None
+    assert "h_q=48" in be.supports("decode", mk_plan(48))
+    assert "d_qk=128" in be.supports("decode", mk_plan(64, d=128))
+    assert "bfloat16" in be.supports("decode", mk_plan(64, dt=torch.float32))
+    from mla_kernels.common.problem import MergeProblem
+
+    mp = lambda dt=torch.float32, od=torch.bfloat16, dv=512: MergeProblem(torch.device("cpu"), dt, od, dv, 8)
+    assert be.supports("merge", mp()) is None and be.supports("merge", mp(torch.bfloat16, torch.float32)) is None
+    assert "multiple of 256" in be.supports("merge", mp(torch.bfloat16, dv=128))
+    assert "float16" in be.supports("merge", mp(torch.float16))
+
+
+def test_sm100_and_cpu_serve_decode_by_reference(monkeypatch):
+    # CPU: the reference, no splits; sm100 has no decode kernel: the reference, with the reason
+    plan = mk.decode_plan(1, 1, 16, 64, d_qk=64, d_v=32, device="cpu", dtype=torch.float32)
+    assert plan.backend_name == "reference" and plan.num_splits == 1
+    from mla_kernels.sm100 import Sm100Backend
+
+    be = Sm100Backend()
+    why = be.supports("decode", plan)
+    assert why is not None and "decode" in why
+    monkeypatch.setattr(dispatch, "_is_cuda", lambda d: True)
+    monkeypatch.setattr(dispatch, "_arch_of", lambda d: "sm100")
+
+    class Present(Sm100Backend):
+        def unavailable_reason(self, device):
+            return None
+
+    dispatch.register_backend("sm100", Present())
+    with pytest.warns(RuntimeWarning, match="decode"):
+        assert dispatch.select("decode", plan).name == "reference"
+    assert dispatch.serving_kernel("decode", plan) is None

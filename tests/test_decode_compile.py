@@ -1,0 +1,57 @@
+"""The decode and combine kernels compile for sm_90a without a GPU (tools/compile_report.py):
+registers, spills, shared memory and the SASS they were written for."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import compile_report_module
+
+pytestmark = pytest.mark.compile
+SMEM_LIMIT = 232448
+NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512"}
+
+
+@pytest.fixture(scope="module")
+def report():
+    cr = compile_report_module()
+    return {r["name"]: r for r in cr.run("sm_90a", only=NAMES, quiet=True)}
+
+
+def _common(r):
+    assert r["arch"] == "sm_90a" and r["spill_bytes"] == 0 and r["registers"] is not None
+    if r["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    base = r["sass_base"]
+    assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
+    return r["sass"], base
+
+
+def test_decode_head_block_kernel(report):
+    r = report["sm90_decode_d576_h128_split"]
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT
+    sass, base = _common(r)
+    # the forward's schedule and products: QK 64x64x16 (36 per block: WG0's prologue and loop, WG1's
+    # loop) + PV 64x256x16 (RS and SS, 4 each per WG)
+    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
+    assert base.get("LDGSTS", 0) == 72  # 9 tiles x 4 rows x 2 buffers: the KV gather
+    assert base.get("UTMALDG", 0) == 0  # Q arrives through registers (q_bias fused)
+    assert sass.get("STG.E.128", 0) >= 32  # float32 partial rows as 16-byte stores
+
+
+@pytest.mark.parametrize("name,h", [("sm90_decode_narrow_d576_h16_direct", 16)])
+def test_decode_narrow_kernel_heads_on_n(report, name, h):
+    r = report[name]
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT
+    sass, base = _common(r)
+    # heads on the MMA's N side: every product is m64 n=h (QK 36 + PV 8 m-tiles x 4 per block,
+    # traced once per consumer warpgroup), no 64-row head tile anywhere
+    assert sass.get(f"HGMMA.64x{h}x16.F32.BF16", 0) == 2 * (36 + 32)
+    assert sum(v for k, v in sass.items() if k.startswith("HGMMA")) == 2 * (36 + 32)
+    assert base.get("LDGSTS", 0) == 72
+
+
+def test_combine_kernel(report):
+    sass, base = _common(report["combine_f32_bf16_d512"])
+    assert sass.get("LDG.E.128", 0) >= 8  # 16-byte part loads, several parts in flight
+    assert base.get("HGMMA", 0) == 0 and base.get("MUFU", 0) > 0

@@ -1,0 +1,314 @@
+"""sm90 decode, combine and merge kernels vs the float32 reference (GPU tests: skipped without an
+sm_90 GPU).  Every option of the decode (paged cache with/without block table, page sizes 1 and
+64, topk_length [b] / [b, s_q], attn_sink, q_bias, h_q 8..128, s_q 1 and 2, split and direct
+modes), the forward's routing of small s_q through the decode, CUDA-graph capture of a planned
+step, and the combine kernel on its own (empty parts holding NaN, all-empty rows, sinks)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mla_kernels as mk
+from mla_kernels import _compile
+from mla_kernels import reference as ref
+
+from conftest import assert_close_fwd, make_case, rel_l2, skip_unless_sm90
+
+pytestmark = [skip_unless_sm90(), pytest.mark.gpu]
+
+
+def dcase(b, s_q, h, topk, *, d=576, page_size=64, seq_len=4096, block_table=True, tl=None, sink=False,
+          bias=False, seed=0, invalid=0.05, dup=0.03, empty=True, scale=0.1):
+    """A paged decode problem: ``b`` sequences of ``seq_len`` tokens in distinct pages of a shared
+    cache (plus spare pages), distinct random positions per query (as a top-k selection gives),
+    some invalid (-1, past the sequence) and duplicate slots, one all-invalid query."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pps = -(-seq_len // page_size)
+    num_pages = b * pps + 3
+    off = lambda: (torch.rand((), generator=g) - 0.5) * scale
+    kv = (torch.randn(num_pages, page_size, 1, d, generator=g) * scale + off()).to("cuda", torch.bfloat16)
+    q = (torch.randn(b, s_q, h, d, generator=g) * scale + off()).to("cuda", torch.bfloat16)
+    bt = torch.randperm(num_pages, generator=g)[: b * pps].reshape(b, pps).to(torch.int32)
+    pos = torch.rand(b * s_q, seq_len, generator=g).topk(min(topk, seq_len), dim=1).indices
+    if topk > seq_len:
+        pos = torch.cat([pos, torch.full((b * s_q, topk - seq_len), -1)], dim=1)
+    pos = pos.reshape(b, s_q, topk)
+    if dup > 0:
+        src = torch.randint(0, topk, (b, s_q, topk), generator=g)
+        pos = torch.where(torch.rand(b, s_q, topk, generator=g) < dup, pos.gather(2, src), pos)
+    if invalid > 0:
+        bad = torch.rand(b, s_q, topk, generator=g) < invalid
+        kind = torch.rand(b, s_q, topk, generator=g) < 0.5
+        pos = torch.where(bad, torch.where(kind, torch.full_like(pos, -1), pos + pps * page_size), pos)
+    if empty:
+        pos[0, 0] = -1
+    if block_table:
+        idx, bt_arg = pos, bt
+    else:  # physical ids
+        p = pos.clamp_min(0)
+        page_i = (p // page_size).clamp(max=pps - 1)
+        phys = bt.long().gather(1, page_i.reshape(b, -1)).reshape(pos.shape) * page_size + p % page_size
+        ok = (pos >= 0) & (pos < pps * page_size)
+        idx, bt_arg = torch.where(ok, phys, torch.full_like(phys, -1)), None
+    tl_t = None
+    if tl == "b":
+        tl_t = torch.randint(0, topk + 1, (b,), generator=g)
+        tl_t[0] = topk
+        if b > 1:
+            tl_t[1] = 0
+    elif tl == "bs":
+        tl_t = torch.randint(0, topk + 1, (b, s_q), generator=g)
+        tl_t[0, 0] = topk
+        tl_t[-1, -1] = 1
+    sk = (torch.randn(h, generator=g) * 2).to("cuda") if sink else None
+    if sk is not None:
+        sk[::3] = -math.inf
+    qb = (torch.randn(b, h, d, generator=g) * scale).to("cuda", torch.bfloat16) if bias else None
+    cuda = lambda t: None if t is None else t.to("cuda", torch.int32)
+    return dict(q=q, kv_cache=kv, indices=cuda(idx), topk_length=cuda(tl_t), attn_sink=sk, block_table=cuda(bt_arg),
+                q_bias=qb)
+
+
+def want_of(c, sm_scale, with_ml=False):
+    """float32 reference on what the kernel computes: q + q_bias rounded to bf16 once."""
+    q = c["q"].float()
+    if c["q_bias"] is not None:
+        q = (q + c["q_bias"].float()[:, None]).to(torch.bfloat16).float()
+    return ref.sparse_mla_decode_ref(q, c["kv_cache"], c["indices"], sm_scale, 512, c["topk_length"], c["attn_sink"],
+                                     c["block_table"], None, with_max_logits=with_ml)
+
+
+def check(out, lse, want, c, ml=None, abs_tol=8e-4):
+    w_o, w_l = want[0], want[1]
+    b, s_q, h, _ = c["q"].shape
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.shape == (b, s_q, h, 512) and lse.shape == (b, s_q, h)
+    empty = torch.isposinf(w_l)
+    ml_ = ml if ml is not None else torch.zeros_like(lse)
+    w_m = want[2] if ml is not None else torch.zeros_like(w_l)
+    if ml is not None:
+        w_m = torch.where(empty, torch.full_like(w_m, -math.inf), w_m)
+        ml_ = ml
+    else:
+        ml_ = torch.where(empty, torch.full_like(lse, -math.inf), torch.zeros_like(lse))
+        w_m = ml_
+    assert_close_fwd(out.reshape(-1, h, 512), ml_.reshape(-1, h), lse.reshape(-1, h),
+                     (w_o.reshape(-1, h, 512), w_m.reshape(-1, h), w_l.reshape(-1, h)),
+                     empty=empty.reshape(-1, h), abs_tol=abs_tol)
+
+
+def run(c, sm_scale=None, plan=None, poison=True, **kw):
+    d = c["q"].shape[-1]
+    sm_scale = sm_scale or d ** -0.5
+    if plan is not None and poison:  # any element a kernel fails to write shows up
+        for t in (plan.out, plan.lse, plan.out_parts, plan.lse_parts):
+            if t is not None:
+                t.fill_(math.nan)
+    res = mk.sparse_mla_decode(c["q"], c["kv_cache"], c["indices"], sm_scale, 512, c["topk_length"],
+                               c["attn_sink"], block_table=c["block_table"], q_bias=c["q_bias"], plan=plan, **kw)
+    torch.cuda.synchronize()
+    return res[0], res[1], sm_scale  # (+ plan.max_logits with a with_max_logits plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("h", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("b,s_q,topk", [(1, 1, 2048), (3, 2, 512)])
+def test_decode_every_option_split(h, b, s_q, topk, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")  # no silent fallback
+    c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=h + b)
+    plan = mk.decode_plan(b, s_q, h, topk, device="cuda")
+    assert plan.backend_name == "sm90" and plan.num_splits > 1
+    out, lse, sc = run(c, plan=plan)
+    check(out, lse, want_of(c, sc), c)
+
+
+@pytest.mark.parametrize("h,b,s_q", [(16, 140, 1), (64, 140, 1), (128, 35, 2), (32, 70, 2)])
+def test_decode_direct_mode(h, b, s_q, monkeypatch):
+    # b * s_q * head blocks >= SMs: one split, bf16 written by the decode kernel (no combine)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    c = dcase(b, s_q, h, 256, seq_len=1024, tl="bs", sink=True, bias=h == 64, seed=h)
+    plan = mk.decode_plan(b, s_q, h, 256, device="cuda", with_max_logits=True)
+    assert plan.num_splits == 1
+    plan.max_logits.fill_(math.nan)
+    out, lse, sc = run(c, plan=plan)
+    check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
+
+
+@pytest.mark.parametrize("h", [32, 128])
+def test_decode_page_size_1_physical_ids(h, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    c = dcase(2, 2, h, 768, page_size=1, seq_len=3000, block_table=False, tl="bs", seed=3)
+    out, lse, sc = run(c)  # no plan: made per call
+    check(out, lse, want_of(c, sc), c)
+
+
+def test_decode_flat_cache_and_block_table_page_64(monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    c = dcase(2, 1, 64, 512, block_table=False, seed=4)
+    flat = dict(c, kv_cache=c["kv_cache"].reshape(-1, 576))
+    out, lse, sc = run(flat)
+    check(out, lse, want_of(c, sc), c)
+
+
+@pytest.mark.parametrize("h,num_splits", [(16, 32), (128, 32), (64, 3)])
+def test_decode_forced_splits_and_odd_topk(h, num_splits, monkeypatch):
+    # 32 splits of topk 2048: one block per split (the pair's padding block is masked at the
+    # split's end); topk 200 is not a multiple of 64
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    for topk in (2048, 200):
+        c = dcase(2, 1, h, topk, tl="b", sink=True, seed=topk + h)
+        plan = mk.decode_plan(2, 1, h, topk, device="cuda", num_splits=num_splits)
+        out, lse, sc = run(c, plan=plan)
+        check(out, lse, want_of(c, sc), c)
+
+
+@pytest.mark.parametrize("h,split", [(32, False), (128, True)])
+def test_decode_d512(h, split, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    b = 2 if split else 140
+    c = dcase(b, 1, h, 512, d=512, seq_len=1024, tl="b", bias=True, sink=True, seed=5)
+    plan = mk.decode_plan(b, 1, h, 512, d_qk=512, device="cuda")
+    assert plan.split == split
+    out, lse, sc = run(c, plan=plan)
+    check(out, lse, want_of(c, sc), c)
+
+
+def test_decode_unit_scale_values(monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    c = dcase(2, 2, 128, 1024, scale=1.0, seed=9)
+    out, lse, sc = run(c)
+    check(out, lse, want_of(c, sc), c, abs_tol=8e-3)
+
+
+def test_decode_matches_unsplit_and_graph_capture(monkeypatch):
+    """A planned step captured in a CUDA graph, replayed with new q / indices / topk_length /
+    block_table contents; split and unsplit plans agree to bf16 rounding."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    b, s_q, h, topk = 2, 2, 128, 2048
+    c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=11)
+    sc = 576 ** -0.5
+    plan = mk.decode_plan(b, s_q, h, topk, device="cuda")
+    one = mk.decode_plan(b, s_q, h, topk, device="cuda", num_splits=1)
+    o1, l1, _ = run(c, sc, plan=one)
+    o1, l1 = o1.clone(), l1.clone()
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    call = lambda: mk.sparse_mla_decode(static["q"], static["kv_cache"], static["indices"], sc, 512,
+                                        static["topk_length"], static["attn_sink"], block_table=static["block_table"],
+                                        q_bias=static["q_bias"], plan=plan)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()  # warm-up off the default stream, before capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_l2(g_out.float(), o1.float()) < 1e-2  # split vs unsplit
+    fin = torch.isfinite(l1)
+    assert torch.equal(fin, torch.isfinite(g_lse))
+    assert ((g_lse[fin] - l1[fin]).abs() <= 1e-5 * l1[fin].abs().clamp_min(1)).all()
+    for seed in (12, 13):
+        c2 = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=seed)
+        for k in ("q", "indices", "topk_length", "block_table", "q_bias"):
+            static[k].copy_(c2[k])
+        c2["kv_cache"] = static["kv_cache"]  # same cache shape; its pages are c's
+        c2["attn_sink"] = static["attn_sink"]
+        graph.replay()
+        torch.cuda.synchronize()
+        check(g_out, g_lse, want_of(c2, sc), c2)
+
+
+def test_decode_no_recompile_across_batch_sizes(monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    run(dcase(1, 1, 16, 512, seed=1))
+    n = _compile.cache_info()["entries"]
+    c = dcase(3, 1, 16, 1024, seed=2)
+    out, lse, sc = run(c)
+    check(out, lse, want_of(c, sc), c)
+    assert _compile.cache_info()["entries"] == n
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward's small-s_q rows through the decode
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("s_q,h_q", [(8, 128), (300, 16), (5, 32), (40, 64)])
+def test_fwd_routes_small_s_q_through_decode(s_q, h_q, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    case = make_case(s_q, h_q, 576, 3000, 512, device="cuda", topk_length=True, sink="finite")
+    out, ml, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length,
+                                     case.attn_sink)
+    torch.cuda.synchronize()
+    want = ref.sparse_mla_fwd_ref(case.q.float(), case.kv.float(), case.indices, case.sm_scale, 512,
+                                  case.topk_length, case.attn_sink)
+    valid = ref.valid_mask(case.indices, 3000, case.topk_length)
+    empty = (~valid.any(dim=-1))[:, None].expand(-1, h_q)
+    assert_close_fwd(out, ml, lse, want, empty=empty)
+
+
+# ---------------------------------------------------------------------------------------------
+# The combine kernel / merge_attn_partials
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 37])
+@pytest.mark.parametrize("dt,out_dt", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                       (torch.float32, torch.float32)])
+@pytest.mark.parametrize("sink", [False, True])
+def test_merge_kernel_vs_reference(n, dt, out_dt, sink, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    g = torch.Generator().manual_seed(n)
+    R, h = 13, 8  # 104 rows: not a multiple of the CTA's 4 warps
+    outs = torch.randn(n, R, h, 512, generator=g).to("cuda", dt)
+    lses = (torch.randn(n, R, h, generator=g) * 3 + 5).cuda()
+    lses[..., 0] = math.inf  # head 0: every part empty
+    if n > 1:
+        lses[0, :, 1] = math.inf  # an empty part ...
+        outs[0, :, 1] = math.nan  # ... whose out must be ignored
+        lses[1, 2, 2] = 80.0  # a dominant part (other weights underflow)
+    sk = None
+    if sink:
+        sk = (torch.randn(h, generator=g) * 3).cuda()
+        sk[3] = -math.inf
+    out, lse = mk.merge_attn_partials(outs, lses, sk, out_dtype=out_dt)
+    torch.cuda.synchronize()
+    w_o, w_l = ref.merge_attn_partials_ref(outs.float(), lses, sk, torch.float32)
+    assert out.dtype == out_dt and out.shape == (R, h, 512) and lse.shape == (R, h)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[:, 0] == 0).all() and torch.isposinf(lse[:, 0]).all()
+    fin = torch.isfinite(w_l)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert ((lse[fin] - w_l[fin]).abs() <= 1e-5 * w_l[fin].abs().clamp_min(1)).all()
+    tol = 1e-2 if out_dt == torch.bfloat16 else 1e-5
+    assert rel_l2(out.float(), w_o) <= tol
+    assert ((out.float() - w_o).abs() <= tol * (1 + w_o.abs())).all()
+
+
+def test_merge_of_forward_partials_equals_unsplit_forward(monkeypatch):
+    # two disjoint halves of each row's top-k through the sm90 forward (no sink), merged with
+    # the sink on the GPU == the unsplit forward with the sink
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    case = make_case(300, 64, 576, 5000, 1024, device="cuda", sink="finite", empty_rows=3)
+    idx = case.indices.reshape(300, 1024)
+    half = torch.rand(300, 1024, device="cuda") < 0.5
+    parts = [torch.where(m, idx, torch.full_like(idx, -1)) for m in (half, ~half)]
+    res = [mk.sparse_mla_fwd(case.q, case.kv, p, case.sm_scale) for p in parts]
+    out, lse = mk.merge_attn_partials(torch.stack([r[0] for r in res]), torch.stack([r[2] for r in res]),
+                                      case.attn_sink)
+    torch.cuda.synchronize()
+    want = ref.sparse_mla_fwd_ref(case.q.float(), case.kv.float(), idx, case.sm_scale, 512, None, case.attn_sink)
+    valid = ref.valid_mask(idx, 5000)
+    empty = (~valid.any(dim=-1))[:, None].expand(-1, 64)
+    ml = torch.where(empty, torch.full_like(lse, -math.inf), want[1])  # not produced by the merge
+    assert_close_fwd(out, ml, lse, want, empty=empty)
