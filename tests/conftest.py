@@ -329,3 +329,21 @@ def compile_report_module():
     spec.loader.exec_module(mod)
     return mod
 
+
+#: (arch, kernel name) -> compile_report record, for the whole test session.
+_COMPILE_RECORDS: dict = {}
+
+
+def compile_records(arch: str, names) -> dict:
+    """``tools/compile_report.py`` records (registers, spills, SASS counts, barrier sites) of the
+    kernels ``names`` for ``arch``, each compiled once per test session: the per-kernel SASS checks
+    and the barrier-rule test share them, whichever module runs first (skips without the DSL)."""
+    names = set(names)
+    missing = {n for n in names if (arch, n) not in _COMPILE_RECORDS}
+    if missing:
+        for r in compile_report_module().run(arch, only=missing, quiet=True):
+            _COMPILE_RECORDS[(arch, r["name"])] = r
+    unknown = sorted(n for n in names if (arch, n) not in _COMPILE_RECORDS)
+    assert not unknown, f"not kernels of tools/compile_report.py for {arch}: {unknown}"
+    return {n: _COMPILE_RECORDS[(arch, n)] for n in names}
+

@@ -22,16 +22,19 @@ SMEM_LIMIT = 232448
 
 
 @pytest.fixture(scope="module")
-def sm90_report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cr") / "sm90.json"
-    recs = compile_report.run(
-        "sm_90a",
-        only={"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads", "sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det",
-              "probe"},
-        json_path=str(path), quiet=True,
-    )
+def sm90_report():
+    # shared with tests/test_barrier_rule.py (one compile per kernel per session)
+    from conftest import compile_records
+
+    return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads", "sm90_bwd_d576_h128",
+                                      "sm90_bwd_d576_h128_det", "probe"})
+
+
+def test_compile_report_writes_its_records_as_json(tmp_path):
+    path = tmp_path / "sm90.json"
+    recs = compile_report.run("sm_90a", only={"probe"}, json_path=str(path), quiet=True)
     assert json.loads(path.read_text()) == recs
-    return {r["name"]: r for r in recs}
+    assert [r["name"] for r in recs] == ["probe"] and recs[0]["arch"] == "sm_90a" and recs[0]["spill_bytes"] == 0
 
 
 def test_sm90_forward_compiles_with_hgmma_and_no_spills(sm90_report):

@@ -19,7 +19,7 @@ import torch
 from mla_kernels.common.problem import Problem
 
 from conftest import make_case, rel_l2, skip_unless_sm100
-from conftest import compile_report_module as _compile_report
+from conftest import compile_records
 from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _writer_offset
 
 SMEM_LIMIT = 232448
@@ -204,8 +204,7 @@ SM100_KERNELS = ("sm100_attn_dist_d576_h128", "sm100_attn_dist_d576_h64_topklen_
 
 @pytest.fixture(scope="module")
 def sm100_report():
-    recs = _compile_report().run("sm_100a", only=set(SM100_KERNELS) | {"probe"}, quiet=True)
-    return {r["name"]: r for r in recs}
+    return compile_records("sm_100a", set(SM100_KERNELS) | {"probe"})
 
 
 def _check_sass(r, d_qk, heads):
@@ -251,7 +250,7 @@ def test_sm100_probe_still_compiles(sm100_report):
 
 @pytest.mark.compile
 def test_sm103a_attn_dist_sass():
-    recs = _compile_report().run("sm_103a", only={"sm100_attn_dist_d576_h128"}, quiet=True)
+    recs = list(compile_records("sm_103a", {"sm100_attn_dist_d576_h128"}).values())
     assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
     _check_sass(recs[0], 576, 128)
 

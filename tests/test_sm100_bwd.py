@@ -22,7 +22,7 @@ import torch
 from mla_kernels.common.problem import Problem
 
 from conftest import make_case, run_bwd_and_check, skip_unless_sm100
-from conftest import compile_report_module as _compile_report
+from conftest import compile_records
 from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _writer_offset
 
 SMEM_LIMIT = 232448
@@ -244,8 +244,7 @@ def test_tmem_loads_give_the_assumed_rows(trace_for_sm100):
 @pytest.fixture(scope="module")
 def sm100_bwd_report():
     names = {"sm100_bwd_d576_h64", "sm100_bwd_d576_h64_det", "sm100_bwd_d512_h64"}
-    recs = _compile_report().run("sm_100a", only=names, quiet=True)
-    return {r["name"]: r for r in recs}
+    return compile_records("sm_100a", names)
 
 
 def _check_sass(r, d_qk, deterministic):
@@ -289,7 +288,7 @@ def test_sm100_bwd_sass(sm100_bwd_report, name, d_qk, det):
 
 @pytest.mark.compile
 def test_sm103a_bwd_sass():
-    recs = _compile_report().run("sm_103a", only={"sm100_bwd_d576_h64"}, quiet=True)
+    recs = list(compile_records("sm_103a", {"sm100_bwd_d576_h64"}).values())
     assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
     _check_sass(recs[0], 576, False)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_case, rel_l2, skip_unless_sm100
-from conftest import compile_report_module as _compile_report
+from conftest import compile_records
 from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _rowtile_offset
 
 SMEM_LIMIT = 232448
@@ -338,8 +338,7 @@ NAMES = {"sm100_bwd_d576_h128_2cta": (576, False), "sm100_bwd_d576_h128_2cta_det
 
 @pytest.fixture(scope="module")
 def report_2cta():
-    recs = _compile_report().run("sm_100a", only=set(NAMES), quiet=True)
-    return {r["name"]: r for r in recs}
+    return compile_records("sm_100a", set(NAMES))
 
 
 def check_sass(r, d_qk, det, asum=False):
@@ -387,7 +386,7 @@ def test_sm100_bwd_h128_sass(report_2cta, name):
 
 @pytest.mark.compile
 def test_sm103a_bwd_h128_sass():
-    recs = _compile_report().run("sm_103a", only={"sm100_bwd_d576_h128_2cta_topklen_asum_sink"}, quiet=True)
+    recs = list(compile_records("sm_103a", {"sm100_bwd_d576_h128_2cta_topklen_asum_sink"}).values())
     assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
     check_sass(recs[0], 576, False, asum=True)
 

@@ -28,7 +28,7 @@ import torch
 from mla_kernels.common.problem import Problem
 
 from conftest import assert_close_fwd, make_case, skip_unless_sm100
-from conftest import compile_report_module as _compile_report
+from conftest import compile_records
 from conftest import needs_cutlass as _cutlass, sw128 as _sw128, tile_offset as _writer_offset
 
 SMEM_LIMIT = 232448
@@ -762,8 +762,7 @@ FWD_KERNELS = {  # name: (d_qk, sink, 2-CTA)
 
 @pytest.fixture(scope="module")
 def sm100_fwd_report():
-    recs = _compile_report().run("sm_100a", only=set(FWD_KERNELS), quiet=True)
-    return {r["name"]: r for r in recs}
+    return compile_records("sm_100a", set(FWD_KERNELS))
 
 
 def _check_sass(r, d_qk, sink, two_cta):
@@ -825,14 +824,14 @@ def test_sm100_fwd_sass(sm100_fwd_report, name):
 
 @pytest.mark.compile
 def test_sm103a_fwd_2cta_sass():
-    recs = _compile_report().run("sm_103a", only={"sm100_fwd_d576_h128_2cta"}, quiet=True)
+    recs = list(compile_records("sm_103a", {"sm100_fwd_d576_h128_2cta"}).values())
     assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
     _check_sass(recs[0], 576, False, True)
 
 
 @pytest.mark.compile
 def test_sm103a_fwd_sass():
-    recs = _compile_report().run("sm_103a", only={"sm100_fwd_d576_h64"}, quiet=True)
+    recs = list(compile_records("sm_103a", {"sm100_fwd_d576_h64"}).values())
     assert len(recs) == 1 and recs[0]["arch"] == "sm_103a"
     _check_sass(recs[0], 576, False, False)
 

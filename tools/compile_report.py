@@ -11,7 +11,9 @@ Kernel names say the static configuration: ``<arch>_<op>_d<d_qk>_h<h_q>`` then `
 Per kernel: ``name``, ``arch``, ``registers``, ``spill_bytes`` (stores + loads), ``stack_bytes``,
 ``smem_bytes`` (dynamic smem of the launch), ``sass`` (instruction counts by full opcode, the
 modifiers kept: ``HGMMA.64x64x16.F32.BF16``, ``UTMALDG.3D``, ``UTCHMMA.2CTA`` ...) and
-``sass_base`` (counts by mnemonic: ``HGMMA``, ``UTMALDG``, ``LDGSTS``, ``BAR`` ...).
+``sass_base`` (counts by mnemonic: ``HGMMA``, ``UTMALDG``, ``LDGSTS``, ``BAR`` ...) and ``barriers``
+(every named-barrier instruction: address, ``SYNC``/``ARV``/``RED``, id -- see
+:func:`barrier_sites`; :func:`bar_sync_repeats` is the one-address-per-``bar.sync`` rule).
 Registers/spills come from ptxas's report (compile option ``remarks{ptx}``); SASS from
 ``nvdisasm`` (package ``nvidia-cuda-nvdisasm``, installed by the ``test`` extra; without it ``sass``
 is null and the printed line says ``SASS: n/a (nvdisasm not installed)``).
@@ -140,6 +142,72 @@ def sass_counts(sass_text):
     return dict(sorted(full.items())), dict(sorted(base.items()))
 
 
+# A named-barrier instruction: ``BAR.SYNC.DEFER_BLOCKING 0x1, 0x100`` (id, thread count),
+# ``BAR.SYNC.DEFER_BLOCKING 0x0`` (__syncthreads), ``BAR.ARV 0x3, 0x100``, ``BAR.SYNC R4, 0x80``
+# (id in a register), optionally predicated.
+_BAR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[0-9T]+\s+)?BAR\.([A-Z]+)[A-Z0-9_.]*\s+([^,;\s]+)\s*(?:,\s*([^;\s]+))?\s*;")
+_ADDR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(\S.*)$")
+#: How far back (instructions) a ``BAR.SYNC 0x0`` looks for the ``UCGABAR_WAIT`` it stands in for.
+_CLUSTER_FALLBACK_WINDOW = 4
+
+
+def _imm(tok):
+    return int(tok, 16) if tok is not None and tok.startswith("0x") else (int(tok) if tok and tok.isdigit() else None)
+
+
+def barrier_sites(sass_text):
+    """Every named-barrier instruction (``BAR.*``) of a kernel's SASS, in address order.
+
+    Each site: ``addr`` (int), ``op`` (``"SYNC"``, ``"ARV"``, ``"RED"`` ...), ``id`` (int; ``None``
+    when the id is a register), ``threads`` (int; ``None`` for all threads or a register),
+    ``pred`` (the guard, ``""`` if none) and ``cluster_fallback``: ptxas lowers
+    ``barrier.cluster.wait`` to "``UCGABAR_WAIT`` if launched as a cluster, else ``BAR.SYNC 0x0``";
+    such a ``BAR.SYNC 0x0`` (a ``UCGABAR_WAIT`` within the few instructions before it) is that
+    fallback, not a ``__syncthreads`` of the source."""
+    sites = []
+    recent = []
+    for line in sass_text.splitlines():
+        m = _ADDR.match(line)
+        if not m:
+            continue
+        b = _BAR.match(line)
+        if b:
+            addr, pred, op, ident, count = b.groups()
+            bid = _imm(ident)
+            sites.append(dict(
+                addr=int(addr, 16), op=op, id=bid, threads=_imm(count), pred=(pred or "").strip(),
+                cluster_fallback=bool(op == "SYNC" and bid == 0 and any("UCGABAR_WAIT" in r for r in recent)),
+            ))
+        recent = (recent + [m.group(2)])[-_CLUSTER_FALLBACK_WINDOW:]
+    return sites
+
+
+def bar_sync_repeats(sites, dynamic_ids=()):
+    """The rule "every waiting instruction (``BAR.SYNC`` / ``BAR.RED``) of a named barrier id sits
+    at one code address": ``{id: [addresses]}`` of the ids that break it.
+
+    ``bar.sync`` is ``barrier.sync.aligned``: every thread taking part in one barrier instance must
+    execute the same instruction.  Two roles syncing one id from two code locations (say math warps
+    in one function, drain warps in another) is what compute-sanitizer's synccheck reports as
+    "Barrier error detected. Divergent thread(s) in block"; the fix is a ``bar.arrive`` by one side
+    and ``bar.sync`` by the other, or one call site for both.  The SASS cannot show *which* threads
+    reach an address, so an id synced at two addresses by the same threads in the same order is
+    also reported -- a caller documents such sites.  ``BAR.ARV`` never counts; cluster-wait
+    fallbacks are skipped.  A site whose id is a register counts once for each id in
+    ``dynamic_ids`` (the values the source can give it); with no ``dynamic_ids`` such sites are
+    reported under the key ``"register"``."""
+    where = collections.defaultdict(list)
+    for st in sites:
+        if st["op"] not in ("SYNC", "RED") or st["cluster_fallback"]:
+            continue
+        if st["id"] is None:
+            for i in (dynamic_ids or ("register",)):
+                where[i].append(st["addr"])
+        else:
+            where[st["id"]].append(st["addr"])
+    return {i: sorted(a) for i, a in where.items() if len(a) > 1 or (i == "register")}
+
+
 class _CaptureFds:
     """Capture what the compiler prints: Python-level sys.stdout/sys.stderr (the DSL prints its
     diagnostics there) and fds 1/2 (native code)."""
@@ -192,11 +260,13 @@ def report_one(name, builder, arch, nvdisasm):
         compile_seconds=round(secs, 2),
         sass=None,
         sass_base=None,
+        barriers=None,
     )
     cubins = glob.glob(os.path.join(dump, "*.cubin"))
     if nvdisasm and cubins:
         out = subprocess.run([nvdisasm, "-c", cubins[0]], capture_output=True, text=True)
         rec["sass"], rec["sass_base"] = sass_counts(out.stdout)
+        rec["barriers"] = barrier_sites(out.stdout)
     shutil.rmtree(dump, ignore_errors=True)
     return rec
 
@@ -216,8 +286,12 @@ def run(arch, only=None, json_path=None, quiet=False):
                 sass = "SASS: n/a (nvdisasm not installed)"
             else:
                 sass = str({k: r["sass_base"].get(k, 0) for k in KEY_OPS})
+            rep = bar_sync_repeats(r["barriers"]) if r["barriers"] is not None else {}
+            bars = ("  bar.sync sites to review: "
+                    + ", ".join(f"{i}@{'/'.join(hex(a) for a in addrs)}" for i, addrs in sorted(rep.items(), key=str))
+                    if rep else "")
             print(f"{r['name']:<44} {arch} regs={r['registers']} spill={r['spill_bytes']}B "
-                  f"smem={r['smem_bytes']}B {r['compile_seconds']}s  {sass}")
+                  f"smem={r['smem_bytes']}B {r['compile_seconds']}s  {sass}{bars}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(recs, f, indent=1)

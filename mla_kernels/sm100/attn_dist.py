@@ -64,8 +64,11 @@ THREADS = 32 * (MMA_WARP + 1)
 EPI_THREADS = 32 * EPI_WARPS
 GATHER_THREADS = 128
 
-BAR_EPI = 1  # the epilogue warps: -lse staged / TMEM reads done before dealloc
+# Named barriers of the epilogue warps, one id per bar.sync site (the rule of docs/DSL_NOTES.md
+# "Named barriers"; tests/test_barrier_rule.py checks the SASS).
+BAR_LSE = 1  # -lse * log2(e) staged in smem
 BAR_TOTAL = 2  # normalisation: row-total exchange
+BAR_EPI = 3  # every TMEM read done before warp 0 frees the allocation
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,7 @@ class AttnDistSm100:
         # -lse * log2(e) of this CTA's heads, read by every thread for every token.
         if tidx < self.heads:
             neg_lse[tidx] = -mLse[s_idx, head0 + tidx] * dev.LOG2E
-        cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=EPI_THREADS)
+        cute.arch.barrier(barrier_id=BAR_LSE, number_of_threads=EPI_THREADS)
 
         dev.tcgen05_fence_after_thread_sync()
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)

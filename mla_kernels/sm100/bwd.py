@@ -44,7 +44,10 @@ Synchronisation (raw mbarriers; every phase is one per block except the dKV ring
 ``s_full`` (commit) -> math; ``s_free`` (math, after its TMEM loads) -> MMA; ``pds_full`` (math,
 after P/dS stores + proxy fence) -> MMA; ``pds_free`` (commit after the block's last dKV^T MMA)
 -> math; ``dkv_full[i]`` / ``dkv_empty[i]`` ring -> drain / MMA; ``dq_full`` (commit after the
-last block) -> math epilogue; ``q_full`` once.
+last block) -> math epilogue; ``q_full`` once.  Named barriers (each ``bar.sync`` at one code
+address, the rule of docs/DSL_NOTES.md "Named barriers"): ``BAR_ROWS`` -- the drain warps
+``bar.arrive`` once ``-delta'`` is in smem, the math warps ``bar.sync``; ``BAR_END`` -- math and
+drain warps at one call site after the role branch, before warp 0 frees TMEM.
 
 Not verified on hardware (compile-only; see ``Sm100Backend.hardware_verified``).
 """
@@ -84,8 +87,12 @@ MMA_WARP = 12
 THREADS = 32 * (MMA_WARP + 1)
 WG_THREADS = 128
 
-BAR_ROWS = 1  # math + drain: lse2 / -delta' / asum scale staged in smem
-BAR_END = 2  # math + drain: every TMEM read done before the dealloc
+# Named barriers (0 is __syncthreads).  Every bar.sync of an id sits at one code address: a
+# bar.sync (barrier.sync.aligned) that two roles reach from different code locations is what
+# compute-sanitizer's synccheck reports as "divergent threads" (found on sm90; see
+# docs/DSL_NOTES.md, "Named barriers"); tests/test_barrier_rule.py checks the SASS.
+BAR_ROWS = 1  # drain arrives once -delta' is in smem; the math warps sync (and see their lse2 / asum scale)
+BAR_END = 2  # math + drain, one call site in ``kernel``: every TMEM read done before the dealloc
 
 
 @dataclass(frozen=True)
@@ -407,6 +414,17 @@ class SparseMlaBwdSm100:
                        topk, topk_len, num_blocks, sNegDelta, tmem_holding, dkv_full, dkv_empty,
                        tidx - 32 * DRAIN_WARP0, warp_idx)
 
+        # Math and drain warps: every TMEM read is complete before math warp 0 frees the
+        # allocation.  One bar.sync for both roles, here after the role branch (each role syncing
+        # at the end of its own function put two BAR.SYNC of one id at two code addresses).
+        if warp_idx < GATHER_WARP0:
+            dev.tcgen05_fence_before_thread_sync()
+            cute.arch.barrier(barrier_id=BAR_END, number_of_threads=2 * WG_THREADS)
+            if warp_idx == MATH_WARP0:
+                dev.tcgen05_fence_after_thread_sync()
+                tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)
+                cute.arch.dealloc_tmem(tmem_ptr, TMEM_COLUMNS)
+
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def gather(self, mQ, mKV, mDO, mIdx, s_idx, head0, topk_len, num_blocks, sQ_addr, sDO_addr, sK_addr,
@@ -526,6 +544,7 @@ class SparseMlaBwdSm100:
             sLse2[tidx] = mLse2[s_idx, head0 + tidx]
             if const_expr(self.attn_sum_scaled):
                 sAsc[tidx] = mAsumScale[s_idx, head0 + tidx]
+        # The drain warps arrive (their -delta' rows are stored); the math warps sync.
         cute.arch.barrier(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
 
         dev.tcgen05_fence_after_thread_sync()
@@ -623,19 +642,15 @@ class SparseMlaBwdSm100:
                     addr = dq_base + Int64(h * self.d_qk * 2) + Int64(dim0 * 2)
                     dev.st_global_v2_b32(addr, dev.pack_bf16x2(rDQ[4 * g], rDQ[4 * g + 1]),
                                      dev.pack_bf16x2(rDQ[4 * g + 2], rDQ[4 * g + 3]))
-        # every TMEM read of the math and drain warps is complete before warp 0 frees TMEM
-        dev.tcgen05_fence_before_thread_sync()
-        cute.arch.barrier(barrier_id=BAR_END, number_of_threads=2 * WG_THREADS)
-        if warp_idx == MATH_WARP0:
-            dev.tcgen05_fence_after_thread_sync()
-            cute.arch.dealloc_tmem(tmem_ptr, TMEM_COLUMNS)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def drain(self, mKV, mIdx, mDO, mO, mDeltaCorr, mDeltaOut, mWs, sm_scale, s_idx, h_blk, head0, n_hblk, topk,
               topk_len, num_blocks, sNegDelta, tmem_holding, dkv_full, dkv_empty, dtid, warp_idx):
         self._delta_rows(mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid)
-        cute.arch.barrier(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
+        # One-way: the drain needs nothing the math warps stage (a bar.sync here as well would be
+        # one barrier synced from two code locations).
+        cute.arch.barrier_arrive(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
 
         dev.tcgen05_fence_after_thread_sync()
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)
@@ -681,8 +696,6 @@ class SparseMlaBwdSm100:
                                         Int64(self.plan.chunk_dims[c] * 4), okmask, rows, det_row0, ws_base,
                                         row_bytes, policy)
                 dkv_stage.advance()
-        dev.tcgen05_fence_before_thread_sync()
-        cute.arch.barrier(barrier_id=BAR_END, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
     def _drain_rows(self, mIdx, s_idx, b, q, topk, topk_len, s_kv, rows) -> Uint32:

@@ -78,6 +78,12 @@ local barrier and arrives on CTA 0's ``*_PEER``).  One phase per block unless no
 * ``DQ_FULL`` (mc after the last block) -> math epilogue.
 * The pair ends with a cluster barrier before the cta_group::2 TMEM dealloc.
 
+Named barriers (CTA-local; each ``bar.sync`` at one code address): ``BAR_ROWS`` (the drain warps
+``bar.arrive`` once ``-delta'`` is in smem, the math warps ``bar.sync``), ``BAR_XCHG`` (the two
+math warps that wrote the staging pair, each thread after its own ``fence.proxy.async``, before
+one thread issues the bulk copies), ``BAR_ASUM`` (the four math warps, a full sync per block:
+block b + 2's writes of a parity slot of ``sAsum`` follow block b + 1's sync, so block b's reads).
+
 The relay handles its events in the order the MMA consumes them (KVH, KDQ, PX, ring generations
 of block b), and each of those depends only on events earlier in that order, so it cannot
 deadlock.
@@ -141,7 +147,9 @@ THREADS = 32 * (RING_WARP + 1)
 WG_THREADS = 128
 PAIR_THREADS = 2 * WG_THREADS
 
-BAR_ROWS = 1  # math + drain of one CTA: lse2 / -delta' staged
+# Named barriers (0 is __syncthreads); every bar.sync of an id sits at one code address (the rule
+# of docs/DSL_NOTES.md "Named barriers", checked on the SASS by tests/test_barrier_rule.py).
+BAR_ROWS = 1  # drain arrives once -delta' is in smem; the math warps sync (and see their lse2 / asum scale)
 BAR_XCHG = 2  # the two math warps whose tokens the peer owns: staging written
 BAR_ASUM = 3  # the four math warps: attn_sum halves in smem
 
@@ -653,6 +661,7 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
             sLse2[tidx] = mLse2[s_idx, head0 + tidx]
             if const_expr(self.attn_sum_scaled):
                 sAsc[tidx] = mAsumScale[s_idx, head0 + tidx]
+        # The drain warps arrive (their -delta' rows are stored); the math warps sync.
         cute.arch.barrier(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
 
         lane = tidx % 32
@@ -778,7 +787,9 @@ class SparseMlaBwdSm100H128(SparseMlaBwdSm100):
                topk, topk_len, num_blocks, sNegDelta, tmem_holding, mbar, dtid, warp_idx):
         """Warps 4-7: delta, then per round this CTA's 128 dims (TMEM lane = dim) x 64 tokens."""
         self._delta_rows(mO, mDO, mDeltaCorr, mDeltaOut, sNegDelta, sm_scale, s_idx, head0, dtid)
-        cute.arch.barrier(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
+        # One-way: the drain needs nothing the math warps stage (a bar.sync here as well would be
+        # one barrier synced from two code locations: synccheck's "divergent threads").
+        cute.arch.barrier_arrive(barrier_id=BAR_ROWS, number_of_threads=2 * WG_THREADS)
 
         dev.tcgen05_fence_after_thread_sync()
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_holding)

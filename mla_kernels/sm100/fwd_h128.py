@@ -65,7 +65,11 @@ THREADS = 32 * (MMA_WARP + 1)
 SOFTMAX_THREADS = 128
 GATHER_THREADS = 128
 
-BAR_SOFTMAX = 1  # the 128 softmax threads: partial max / sum exchange
+# Named barriers of the 128 softmax threads, one id per bar.sync site (the rule of
+# docs/DSL_NOTES.md "Named barriers"; one id synced from two code addresses is safe only when the
+# same threads reach them in the same order, which the SASS check cannot see).
+BAR_MAX = 1  # per block: partial row max exchange
+BAR_SUM = 2  # epilogue: partial row sum exchange
 #: Row max (two block-parity slots) and row sum exchange between threads t and t ^ 64: 4 x 128 f32.
 RED_FLOATS = 4 * 2 * B_H_CTA
 
@@ -418,7 +422,7 @@ class SparseMlaFwdSm100H128:
                 part = cute.arch.fmax(part, rS[i])
             # Row max over both column halves: exchange with thread t ^ 64 (slot by block parity).
             red[buf * 2 * B_H_CTA + tidx] = part
-            cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=SOFTMAX_THREADS)
+            cute.arch.barrier(barrier_id=BAR_MAX, number_of_threads=SOFTMAX_THREADS)
             cur = cute.arch.fmax(part, red[buf * 2 * B_H_CTA + partner]) * scale_log2
             rMax[0] = cute.arch.fmax(rMax[0], cur)
             grew = cur > rM[0] + RESCALE_THRESHOLD  # the same for both threads of a row
@@ -462,7 +466,7 @@ class SparseMlaFwdSm100H128:
 
         # Row sum over both halves (slots 2 and 3 of the exchange buffer).
         red[4 * B_H_CTA + tidx] = rL[0]
-        cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=SOFTMAX_THREADS)
+        cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=SOFTMAX_THREADS)
         l_row = rL[0] + red[4 * B_H_CTA + partner]
         head = head0 + row
         sink_term = Float32(0.0)
