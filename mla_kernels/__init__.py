@@ -7,10 +7,15 @@ Public API:
 * :func:`sparse_mla_bwd` -- backward: ``(dq, dkv, d_attn_sink)``;
 * :func:`sparse_mla` -- the autograd op (``out`` or ``(out, lse)``);
 * :func:`backend_for` -- which backend serves a device (``"sm90"``, ``"sm100"``, ``"reference"``);
-* :class:`AttnSum` -- holder receiving ``attn_sum`` from the autograd backward.
+* :class:`AttnSum` -- holder receiving ``attn_sum`` from the autograd backward;
+* :func:`indexer_topk` -- the lightning indexer's exact top-k keys per query (scores streamed);
+* :func:`indexer_logits` -- the indexer's dense scores ``[s_q, s_kv]``;
+* :func:`indexer_loss` -- the indexer's KL loss against the attention distribution (autograd).
 """
 
 from .api import attn_dist, sparse_mla_bwd, sparse_mla_fwd
+from .api_indexer import indexer_logits, indexer_topk
+from .autograd_indexer import indexer_loss
 from .autograd import AttnSum, sparse_mla
 from .dispatch import BackendUnavailableError, backend_for
 
@@ -24,4 +29,7 @@ __all__ = [
     "backend_for",
     "AttnSum",
     "BackendUnavailableError",
+    "indexer_topk",
+    "indexer_logits",
+    "indexer_loss",
 ]

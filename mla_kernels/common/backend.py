@@ -4,7 +4,9 @@ A backend is an object with the methods below.  The API validates and normalises
 into a :class:`~mla_kernels.common.problem.Problem`, asks ``dispatch`` for a backend, pads
 ``topk`` to the backend's ``topk_block`` with invalid (-1) slots, and calls it.
 
-Ops are named ``"fwd"``, ``"attn_dist"`` and ``"bwd"``.
+Ops are named ``"fwd"``, ``"attn_dist"`` and ``"bwd"`` (attention; their problem is a
+:class:`~mla_kernels.common.problem.Problem`) and ``INDEXER_OPS`` (the lightning indexer; an
+:class:`~mla_kernels.common.problem.IndexerProblem` or ``IndexerLossProblem``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 
 from .problem import Problem
 
-OPS = ("fwd", "attn_dist", "bwd")
+INDEXER_OPS = ("indexer_logits", "indexer_topk", "indexer_loss_fwd", "indexer_loss_bwd")
+OPS = ("fwd", "attn_dist", "bwd") + INDEXER_OPS
 
 
 class Backend:
@@ -59,4 +62,21 @@ class Backend:
         deterministic: bool = False,
         return_attn_sum: bool = False,
     ):
+        raise NotImplementedError
+
+    # -- indexer ops (problems: common.problem.IndexerProblem / IndexerLossProblem) -------------
+    def indexer_logits(self, p) -> torch.Tensor:
+        """Dense scores ``[s_q, s_kv]`` float32, -inf outside each row's key range."""
+        raise NotImplementedError
+
+    def indexer_topk(self, p, topk: int, return_logits: bool):
+        """``(indices [s_q, topk] int32, topk_length [s_q] int32[, logits [s_q, topk]])``."""
+        raise NotImplementedError
+
+    def indexer_loss_fwd(self, p):
+        """``(loss [s_q], lse [s_q], inv_tsum [s_q])`` -- see ``reference.indexer_loss_fwd_ref``."""
+        raise NotImplementedError
+
+    def indexer_loss_bwd(self, p, grad_rows, lse, inv_tsum, deterministic: bool):
+        """``(dq, dk, dweights)`` -- see ``reference.indexer_loss_bwd_ref``."""
         raise NotImplementedError
