@@ -56,6 +56,7 @@ def kernels_for(arch):
             ("sm90_bwd_d576_h128_det", lambda a, **kw: compile_bwd(576, 128, False, deterministic=True, arch=a, **kw)),
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
+        ] + indexer_kernels() + [
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     if arch in ("sm_100a", "sm_103a"):
@@ -89,6 +90,24 @@ def kernels_for(arch):
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     return [("probe", lambda a, **kw: compile_probe(a, **kw))]
+
+
+def indexer_kernels():
+    """The sm90 indexer kernels (scores bf16 / fp8, top-k, loss forward / backward)."""
+    from mla_kernels.sm90.indexer_loss_bwd import compile_loss_bwd
+    from mla_kernels.sm90.indexer_loss_fwd import compile_loss_fwd
+    from mla_kernels.sm90.indexer_score import compile_score
+    from mla_kernels.sm90.indexer_topk import compile_topk
+
+    return [
+        ("sm90_indexer_score_bf16_h64_d128", lambda a, **kw: compile_score(False, 64, 128, a, **kw)),
+        ("sm90_indexer_score_fp8_h64_d128", lambda a, **kw: compile_score(True, 64, 128, a, **kw)),
+        ("sm90_indexer_score_bf16_h16_d64", lambda a, **kw: compile_score(False, 16, 64, a, **kw)),
+        ("sm90_indexer_topk_logits", lambda a, **kw: compile_topk(True, a, **kw)),
+        ("sm90_indexer_loss_fwd_d128", lambda a, **kw: compile_loss_fwd(128, False, 2048, a, **kw)),
+        ("sm90_indexer_loss_bwd_d128", lambda a, **kw: compile_loss_bwd(128, False, False, a, **kw)),
+        ("sm90_indexer_loss_bwd_d128_det_topklen", lambda a, **kw: compile_loss_bwd(128, True, True, a, **kw)),
+    ]
 
 
 def find_nvdisasm():

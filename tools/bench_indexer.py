@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Benchmark of the indexer half of a DSA layer: ``indexer_topk`` (bf16, fp8), ``indexer_loss``
+(forward, backward, forward + backward, deterministic backward), with peak extra memory, beside
+cuDNN-frontend's sm90 indexer kernels when they are importable.
+
+One causal sequence of S tokens, h_idx 64, d_idx 128, topk 2048 (the issue's shape).  Method as
+``tools/bench.py``: CUDA events around one call of the public API (validation included), median
+of ``--reps`` runs after ``--warmup``, inputs rotated over ``--sets`` input sets.  Peak memory:
+``torch.cuda.max_memory_allocated`` during one call minus what was allocated before it (inputs
+excluded, outputs included).
+
+FLOPs (reported as TFLOPS beside ms): scores ``2 h d S (S+1) / 2`` (causal pairs only); one
+sparse pass over the selected keys ``2 S topk h d`` (loss forward 1 pass, backward 3).
+
+``rows(args)`` returns the measurements as a list of dicts (``tools/bench.py --ops indexer``
+picks it up); ``python tools/bench_indexer.py`` prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import mla_kernels as mk  # noqa: E402
+
+H, D = 64, 128
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--seqs", default="32768,65536", help="comma-separated sequence lengths S")
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
+                    help="comma-separated: topk, topk_fp8, loss, loss_det")
+    ap.add_argument("--no-peer", action="store_true", help="do not time cuDNN-frontend")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sets", type=int, default=2)
+
+
+def _time(fn, n_sets, warmup, reps):
+    for i in range(warmup):
+        fn(i % n_sets)
+    if not torch.cuda.is_available():
+        times = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(i % n_sets)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), times
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(i % n_sets)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times), times
+
+
+def _peak_mib(fn):
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(0)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    del out
+    return peak
+
+
+def _inputs(S, n_sets, dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    sets = []
+    for _ in range(n_sets):
+        q = (torch.randn(S, H, D, device=dev, generator=g) / 4).bfloat16()
+        k = (torch.randn(S, D, device=dev, generator=g) / 4).bfloat16()
+        w = torch.randn(S, H, device=dev, generator=g) / 8
+        sets.append(dict(q=q, k=k, w=w))
+    return sets
+
+
+def _row(rows, case, backend, S, topk, med, times, flop=None, peak=None, note=""):
+    r = dict(op="indexer", case=case, backend=backend, S=S, h_idx=H, d_idx=D, topk=topk, ms=med,
+             min_ms=min(times), max_ms=max(times), reps=len(times),
+             tflops=(flop / (med * 1e-3) / 1e12) if flop else None, peak_mib=peak, note=note)
+    rows.append(r)
+    tf = f"{r['tflops']:7.1f} TFLOPS" if r["tflops"] else " " * 14
+    pk = f"{peak:9.0f} MiB" if peak is not None else ""
+    print(f"  S {S:>6} {case:<22} {backend:<7} {med:9.3f} ms {tf} {pk} {note}", flush=True)
+
+
+def _cudnn():
+    try:
+        from cudnn.deepseek_sparse_attention import (  # noqa: F401
+            indexer_backward_wrapper, indexer_forward_wrapper, indexer_top_k_wrapper,
+            sparse_indexer_score_recompute_wrapper)
+        import cudnn.deepseek_sparse_attention as m
+
+        return m
+    except Exception as e:  # not installed here
+        print(f"  (cuDNN-frontend not importable: {type(e).__name__}: {e}; its rows are skipped)")
+        return None
+
+
+def rows(args):
+    """Measure every requested case; returns a list of dicts (one per case x backend x S)."""
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    seqs, TOPK = [int(x) for x in args.seqs.split(",")], args.topk
+    if not cuda:
+        seqs, TOPK = [256], 32
+        print("NOTE: no CUDA GPU here -- a tiny shape (S 256, topk 32) on the CPU PyTorch reference only; "
+              "kernel numbers need an sm_90 GPU (see docs/PERF.md)")
+    else:
+        print(f"GPU: {torch.cuda.get_device_name()}; backend: {mk.backend_for('cuda')}; "
+              f"h_idx {H}, d_idx {D}, topk {TOPK}, causal")
+    backend = mk.backend_for(dev)
+    ours = "ours" if backend != "reference" else "reference"
+    cases = args.cases.split(",")
+    peer = None if (args.no_peer or not cuda) else _cudnn()
+    out = []
+    scale = D ** -0.5
+    for S in seqs:
+        fl_scores = 2.0 * H * D * S * (S + 1) / 2
+        fl_pass = 2.0 * S * TOPK * H * D
+        sets = _inputs(S, args.sets, dev)
+        if "topk" in cases:
+            def f(i):
+                s = sets[i]
+                return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
+            med, ts = _time(f, args.sets, args.warmup, args.reps)
+            _row(out, "topk_bf16", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
+        if "topk_fp8" in cases:
+            s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
+                       qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+
+            def f(i):
+                s = s8[i]
+                return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"],
+                                       k_scale=s["ks"])
+            med, ts = _time(f, args.sets, args.warmup, args.reps)
+            _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
+            del s8
+        if "loss" in cases or "loss_det" in cases:
+            idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
+            g = torch.Generator(device=dev).manual_seed(1)
+            tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
+            leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
+                           w=s["w"].clone().requires_grad_(True)) for s in sets]
+            for det in ([False] if "loss" in cases else []) + ([True] if "loss_det" in cases else []):
+                tag = "_det" if det else ""
+
+                def fwd(i, det=det):
+                    s = leaves[i]
+                    with torch.no_grad():
+                        return mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
+                                               deterministic=det)
+
+                def fwd_bwd(i, det=det):
+                    s = leaves[i]
+                    for x in s.values():
+                        x.grad = None
+                    loss = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
+                                           deterministic=det)
+                    loss.backward()
+                    return loss
+
+                if not det:
+                    med, ts = _time(fwd, args.sets, args.warmup, args.reps)
+                    _row(out, "loss_fwd", ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
+                med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
+                _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
+            del leaves
+        if peer is not None:
+            _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)
+        del sets
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def _peer_rows(out, m, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass):
+    """cuDNN-frontend 1.32.0's sm90 indexer (see ../shared/peers/time_cudnn_indexer.py): dense
+    [S, S] f32 scores + radix top-k; predict recompute + indexer backward (the KL in PyTorch)."""
+    p_sets = [dict(q=s["q"].view(1, S, H, D), k=s["k"].view(1, S, 1, D), w=s["w"].bfloat16().view(1, S, H))
+              for s in sets]
+    seq = torch.arange(1, S + 1, dtype=torch.int32, device="cuda")
+
+    def run(case, fn, flop):
+        try:
+            med, ts = _time(fn, args.sets, args.warmup, args.reps)
+            _row(out, case, "cudnn", S, TOPK, med, ts, flop, _peak_mib(fn))
+        except Exception as e:  # report, keep going
+            print(f"  S {S:>6} {case:<22} cudnn   FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        torch.cuda.empty_cache()
+
+    def topk(i, fp8=False):
+        s = p_sets[i]
+        if fp8:
+            sc = m.indexer_forward_wrapper(s["q8"], s["k8"], s["w"], ratio=1, sm_scale=scale, precision="fp8",
+                                           q_scale=s["qs"], k_scale=s["ks"])["scores"]
+        else:
+            sc = m.indexer_forward_wrapper(s["q"], s["k"], s["w"], ratio=1, sm_scale=scale)["scores"]
+        sc = sc.view(S, -1)[:, :S]
+        return m.indexer_top_k_wrapper(sc if sc.is_contiguous() else sc.contiguous(), seq, TOPK)
+
+    if "topk" in cases:
+        run("topk_bf16", topk, fl_scores)
+    if "topk_fp8" in cases:
+        for s in p_sets:
+            s.update(q8=s["q"].to(torch.float8_e4m3fn), k8=s["k"].to(torch.float8_e4m3fn),
+                     qs=torch.ones(1, S, H, device="cuda"), ks=torch.ones(1, S, 1, device="cuda"))
+        run("topk_fp8", lambda i: topk(i, True), fl_scores)
+        for s in p_sets:
+            del s["q8"], s["k8"]
+    if "loss" in cases:
+        idx, _ = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
+        idx = idx.view(1, S, TOPK)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        tgt0 = torch.softmax(torch.randn(1, S, TOPK, device="cuda", generator=g), -1).masked_fill(idx < 0, 0)
+        one = torch.ones(1, device="cuda")
+
+        def pred(i):
+            s = p_sets[i]
+            return m.sparse_indexer_score_recompute_wrapper(s["q"], s["k"][:, :, 0], s["w"], idx)["predict"]
+
+        def fwd_bwd(i):
+            s = p_sets[i]
+            p = pred(i)
+            # the KL in PyTorch (what a cuDNN user writes), then the staged backward
+            kl = (tgt0 * (torch.log(tgt0.clamp_min(1e-30)) - torch.log(p.clamp_min(1e-30)))).sum(-1).mean()
+            tgt = tgt0.clone()  # the backward overwrites its target
+            m.indexer_backward_wrapper(s["q"], s["w"], s["k"][:, :, 0], tgt, p, idx, one, sm_scale=scale)
+            return kl
+
+        run("loss_fwd", pred, fl_pass)
+        run("loss_fwd_bwd", fwd_bwd, 4 * fl_pass)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    res = rows(args)
+    if args.json:
+        meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    torch=torch.__version__, date=time.strftime("%Y-%m-%d"), reps=args.reps, warmup=args.warmup)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=res), f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
