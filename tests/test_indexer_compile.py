@@ -88,7 +88,7 @@ def test_topk_workspace_rows():
 
     for s_q, s_kv in ((32768, 32768), (65536, 65536), (131072, 131072), (100, 5), (7, 10**9)):
         rows = indexer_host.block_rows(s_q, s_kv)
-        assert rows % 16 == 0 and rows >= 16
-        assert rows * s_kv * 4 <= indexer_host.WORKSPACE_BYTES or rows == 16
-        assert rows <= -(-s_q // 16) * 16
+        assert rows % 32 == 0 and rows >= 32
+        assert rows * s_kv * 4 <= indexer_host.WORKSPACE_BYTES or rows == 32
+        assert rows <= -(-s_q // 32) * 32
     assert indexer_host.block_rows(32768, 32768) == 4096

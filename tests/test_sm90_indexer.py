@@ -54,7 +54,7 @@ def ranges(s_q, s_kv, kind, seed=0):
     return ks.int().cuda(), ke.int().cuda()
 
 
-def check_logits(got, want, exact=False):
+def check_logits(got, want, exact=False, rtol=2e-5):
     assert got.shape == want.shape and got.dtype == torch.float32
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf pattern (key ranges) differs"
     fin = torch.isfinite(want)
@@ -64,7 +64,7 @@ def check_logits(got, want, exact=False):
     else:
         err = (got[fin].double() - want[fin].double()).abs().max().item()
         scale = want[fin].abs().max().item() if fin.any() else 1.0
-        assert err <= 2e-5 * max(scale, 1.0), f"max abs err {err:.3g} (scale {scale:.3g})"
+        assert err <= rtol * max(scale, 1.0), f"max abs err {err:.3g} (scale {scale:.3g})"
 
 
 @pytest.mark.parametrize("s_q,s_kv,h,d,fp8,kind", [
@@ -83,7 +83,9 @@ def test_logits_vs_reference(s_q, s_kv, h, d, fp8, kind, monkeypatch):
     got = mk.indexer_logits(q, k, w, sm_scale=0.3, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
     torch.cuda.synchronize()
     want = ref.indexer_logits_ref(q, k, w, 0.3, kst, ken, qs, ksc)
-    check_logits(got, want)
+    # Hopper's FP8 tensor cores accumulate with reduced precision (about 2^-13 of the magnitude,
+    # measured 2.1e-4 here; the integer-valued test below is exact)
+    check_logits(got, want, rtol=1e-3 if fp8 else 2e-5)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -138,6 +140,9 @@ def test_topk_kernel_adversarial_rows(topk):
     start[8], end[8] = 10, 10  # empty
     start[9], end[9] = 100, 100 + topk  # exactly topk keys
     start[10], end[10] = 100, 101 + topk  # one more than topk
+    sc[11] = 1.0
+    sc[11, 3 : 3 + topk] = 1000.0  # the threshold bin of the first digit is taken whole
+    start[11], end[11] = 0, ld
     idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
     torch.cuda.synchronize()
     want_idx, want_len = naive_select(sc, start, end, topk)
@@ -148,6 +153,31 @@ def test_topk_kernel_adversarial_rows(topk):
     assert torch.equal(torch.isnan(lg.cpu()), torch.isnan(want_lg))
     nn = ~torch.isnan(want_lg)
     assert torch.equal(lg.cpu()[nn], want_lg[nn])
+
+
+@pytest.mark.parametrize("topk", [100, 3000, 5000])
+def test_topk_kernel_long_rows_heavy_ties(topk):
+    """Rows longer than the shared candidate buffer whose threshold bin overflows it (all equal,
+    few distinct values) and ones that fit, through the top-k kernel alone."""
+    from mla_kernels.sm90 import indexer_host
+
+    g = torch.Generator().manual_seed(topk)
+    s_q, ld = 8, 10000
+    sc = torch.randn(s_q, ld, generator=g)
+    sc[0] = 0.0  # one bin of 10000 > CAP
+    sc[1] = torch.randint(0, 3, (ld,), generator=g).float()
+    sc[2, :5000] = 7.0
+    sc[3] = torch.randint(-50, 50, (ld,), generator=g).float() * 0.25
+    sc[4] = torch.rand(ld, generator=g) * 1e-3 + 1.0  # a narrow range: few coarse bins
+    start = torch.zeros(s_q, dtype=torch.int64)
+    end = torch.full((s_q,), ld)
+    start[5], end[5] = 3, ld - 7  # unaligned head and tail
+    start[6], end[6] = 1, 9999
+    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
+    torch.cuda.synchronize()
+    want_idx, want_len = naive_select(sc, start, end, topk)
+    assert torch.equal(ln.cpu(), want_len)
+    assert torch.equal(idx.cpu(), want_idx)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -318,6 +348,23 @@ def test_loss_backward_vs_reference(s_q, s_kv, topk, d, tl, det, monkeypatch):
         again = run_loss_grads(q, k, w, idx, tgt, lens, det, g_rows)
         for a, b in zip((dq, dk, dw), again):
             assert torch.equal(a, b), "deterministic gradients differ run to run"
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_loss_backward_dk_bulk(d, monkeypatch):
+    """dk added by bulk reduce (rows staged in smem) instead of 16-byte atomics."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_DK, "bulk")
+    q, k, w, idx, tgt, lens = loss_case(150, 700, 300, d, seed=4, tl=True)
+    g_rows = torch.randn(150, generator=torch.Generator().manual_seed(2)).cuda()
+    dq, dk, dw = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
+    torch.cuda.synchronize()
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)
+    wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)
+    for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
+        assert rel_l2(a.float(), b) <= 1e-2, f"{name} rel L2 {rel_l2(a.float(), b):.3g}"
 
 
 def test_loss_headline_shape_fwd_bwd(monkeypatch):

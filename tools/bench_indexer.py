@@ -38,7 +38,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seqs", default="32768,65536", help="comma-separated sequence lengths S")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
-                    help="comma-separated: topk, topk_fp8, loss, loss_det")
+                    help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
+                         "topk_parts (score and select kernels timed apart)")
     ap.add_argument("--no-peer", action="store_true", help="do not time cuDNN-frontend")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -101,6 +102,39 @@ def _row(rows, case, backend, S, topk, med, times, flop=None, peak=None, note=""
     print(f"  S {S:>6} {case:<22} {backend:<7} {med:9.3f} ms {tf} {pk} {note}", flush=True)
 
 
+def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
+    """The two kernels of ``indexer_topk`` timed apart over all row blocks: the score kernel into
+    the workspace, and the select kernel over a workspace of real scores (the last block's)."""
+    from mla_kernels.api_indexer import make_indexer_problem
+    from mla_kernels.common import host
+    from mla_kernels.sm90 import indexer_host as ih
+
+    probs = [make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale) for s in sets]
+    ins = [ih._score_inputs(p) for p in probs]
+    score, select = ih._score_fn(probs[0]), ih._topk_fn(probs[0], False)
+    rows = ih.block_rows(S, S)
+    ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
+    idx = torch.empty(S, TOPK, dtype=torch.int32, device="cuda")
+    ln = torch.empty(S, dtype=torch.int32, device="cuda")
+    dummy = host.dummy(torch.float32, ws.device, (1, 1))
+
+    def f_score(i):
+        q2, k, w_eff, ks = ins[i]
+        p = probs[i]
+        for q0 in range(0, S, rows):
+            score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
+
+    def f_select(i):
+        p = probs[i]
+        for q0 in range(0, S, rows):
+            select(ws[: min(rows, S - q0)], p.k_start, p.k_end, idx, ln, dummy, q0)
+
+    med, ts = _time(f_score, args.sets, args.warmup, args.reps)
+    _row(out, "topk_part_scores", "ours", S, TOPK, med, ts, fl_scores)
+    med, ts = _time(f_select, args.sets, args.warmup, args.reps)
+    _row(out, "topk_part_select", "ours", S, TOPK, med, ts, None, None, f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+
+
 def _cudnn():
     try:
         from cudnn.deepseek_sparse_attention import (  # noqa: F401
@@ -153,14 +187,19 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
-        if "loss" in cases or "loss_det" in cases:
+        if "topk_parts" in cases and cuda:
+            _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
+        if "loss" in cases or "loss_det" in cases or "loss_bulk" in cases:
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
             tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
-            for det in ([False] if "loss" in cases else []) + ([True] if "loss_det" in cases else []):
-                tag = "_det" if det else ""
+            variants = ([(False, "red")] if "loss" in cases else []) + ([(True, "red")] if "loss_det" in cases else [])
+            variants += [(False, "bulk")] if ("loss_bulk" in cases and cuda) else []
+            for det, dk in variants:
+                tag = ("_det" if det else "") + ("_dkbulk" if dk == "bulk" else "")
+                os.environ["MLA_KERNELS_INDEXER_DK"] = dk
 
                 def fwd(i, det=det):
                     s = leaves[i]
@@ -177,11 +216,12 @@ def rows(args):
                     loss.backward()
                     return loss
 
-                if not det:
+                if not det and dk == "red":
                     med, ts = _time(fwd, args.sets, args.warmup, args.reps)
                     _row(out, "loss_fwd", ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
                 med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
                 _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
+            os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             del leaves
         if peer is not None:
             _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)

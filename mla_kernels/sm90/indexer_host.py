@@ -18,6 +18,7 @@ launches.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -28,6 +29,9 @@ from ..common.kernel_backend import cached
 
 #: Upper bound of the top-k's score workspace (float32 rows of s_kv scores).
 WORKSPACE_BYTES = 512 << 20
+#: How the loss backward adds dk: ``red`` (16-byte float atomics from registers) or ``bulk``
+#: (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
+ENV_DK = "MLA_KERNELS_INDEXER_DK"
 FP8 = torch.float8_e4m3fn
 SCORE_BN = 256  # the score kernel's (query, head) columns per CTA
 SCORE_BM = 64  # its key rows per tile
@@ -104,11 +108,15 @@ def _topk_fn(p, return_logits: bool):
     return cached(("IndexerTopkSm90", return_logits, arch), lambda: compile_topk(return_logits, arch))
 
 
+#: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.
+ROW_ALIGN = 32
+
+
 def block_rows(s_q: int, s_kv: int) -> int:
-    """Query rows per top-k block: a multiple of 16 (the score kernel's query tiles must not
-    straddle blocks), the workspace within :data:`WORKSPACE_BYTES`."""
-    rows = max(16, (WORKSPACE_BYTES // (max(s_kv, 1) * 4)) // 16 * 16)
-    return min(rows, -(-s_q // 16) * 16)
+    """Query rows per top-k block: a multiple of :data:`ROW_ALIGN`, the workspace within
+    :data:`WORKSPACE_BYTES` (or the minimum block)."""
+    rows = max(ROW_ALIGN, (WORKSPACE_BYTES // (max(s_kv, 1) * 4)) // ROW_ALIGN * ROW_ALIGN)
+    return min(rows, -(-s_q // ROW_ALIGN) * ROW_ALIGN)
 
 
 def run_logits(p) -> torch.Tensor:
@@ -196,8 +204,12 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
 
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     has_tl, arch = p.topk_length is not None, _arch(p)
-    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, deterministic, arch),
-                lambda: compile_loss_bwd(p.d, has_tl, deterministic, arch))
+    mode = os.environ.get(ENV_DK, "red").strip().lower() or "red"
+    if mode not in ("red", "bulk"):
+        raise ValueError(f"{ENV_DK}={mode!r}: expected red or bulk")
+    bulk = mode == "bulk" and not deterministic
+    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, deterministic, bulk, arch),
+                lambda: compile_loss_bwd(p.d, has_tl, deterministic, arch, dk_bulk=bulk))
     dev = p.device
     g = grad_rows.float().contiguous()
     lse, inv = lse.float().contiguous(), inv.float().contiguous()

@@ -11,7 +11,9 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
    ``dS^T[j, h] = dI_j w_eff[h] [S^T[j, h] > 0]`` (bf16), which is the A operand of
 3. ``dK_sel = dS^T q_t`` (wgmma RS, 64 slots x 64 columns per chunk, ``q_t^T`` read MN-major from
    the same smem tile), scattered into a float32 ``dk`` workspace with 16-byte
-   ``red.global.add.v4.f32`` (rearranged so that 8 lanes cover one 128-byte line), or -- with
+   ``red.global.add.v4.f32`` (rearranged so that 8 lanes cover one 128-byte line), or
+   (``dk_bulk``) staged in shared memory and added one 256-byte row per
+   ``cp.reduce.async.bulk .add.f32`` (the reduction done by the TMA unit and L2), or -- with
    ``deterministic`` -- stored to the query's own per-slot workspace rows (the host sums them in a
    fixed order);
 4. ``dS^T`` through shared memory (stmatrix) for ``dq_t += dS K_sel`` (wgmma SS, both operands
@@ -39,6 +41,7 @@ from .indexer_loss_fwd import B_TOPK, H, loss_fake_args
 THREADS = 128
 BAR_RING = 1
 BAR_DS = 2
+DK_PITCH = 68  # floats per staged dK row (bulk mode): 16-byte aligned, rows 4 banks apart
 K_MAJ = OperandMajorMode.K
 MN_MAJ = OperandMajorMode.MN
 
@@ -46,13 +49,14 @@ MN_MAJ = OperandMajorMode.MN
 class IndexerLossBwdSm90:
     """Static configuration (d, topk_length given, deterministic) + launcher + kernel."""
 
-    def __init__(self, d: int, has_topk_length: bool, deterministic: bool):
+    def __init__(self, d: int, has_topk_length: bool, deterministic: bool, dk_bulk: bool = False):
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer loss takes d_idx 64 or 128, got {d}")
         self.d = d
         self.has_topk_length = has_topk_length
         self.deterministic = deterministic
-        self.stages = 2 if d == 128 else 3
+        self.dk_bulk = dk_bulk and not deterministic
+        self.stages = 4  # two CTAs per SM (registers): deep prefetch of the gathered rows
         self.smem_bytes = 0
 
     def _mma(self, a_major, b_major, n: int, rs: bool = False):
@@ -91,6 +95,7 @@ class IndexerLossBwdSm90:
             sW: cute.struct.Align[cute.struct.MemRange[Float32, H], 16]
             sDw: cute.struct.Align[cute.struct.MemRange[Float32, 4 * H], 16]
             sIdx: cute.struct.MemRange[Int32, B_TOPK]
+            sDk: cute.struct.Align[cute.struct.MemRange[Float32, B_TOPK * DK_PITCH if self.dk_bulk else 4], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(mQ, mK, mW, mIdx, mTopkLen, mTarget, mLse, mInv, mGrad, mDq, mDw, mWs, sm_scale,
@@ -112,6 +117,7 @@ class IndexerLossBwdSm90:
         sW = storage.sW.get_tensor(cute.make_layout(H))
         sDw = storage.sDw.get_tensor(cute.make_layout(4 * H))
         sIdx = storage.sIdx.get_tensor(cute.make_layout(B_TOPK))
+        sDk = storage.sDk.get_tensor(cute.make_layout(B_TOPK * DK_PITCH if self.dk_bulk else 4))
         s_kv = mK.shape[0]
         topk = mIdx.shape[1]
         topk_len = topk
@@ -222,11 +228,11 @@ class IndexerLossBwdSm90:
                 cute.gemm(mma_q, acc_dq, tQrDS[None, None, k], tQrK[None, None, k, stage], acc_dq)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(1)
-            self._scatter(acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, 0, t, b, topk)
+            self._dk_out(acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, 0, t, b, topk, tidx)
             for ch in cutlass.range_constexpr(1, self.d // 64):
                 self._dk_chunk(thr_k, acc_dk, tKrDS, sQt, ch)
                 cute.nvgpu.warpgroup.wait_group(0)
-                self._scatter(acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, ch, t, b, topk)
+                self._dk_out(acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, ch, t, b, topk, tidx)
             cute.nvgpu.warpgroup.wait_group(0)
             # the stage, sDS and sIdx are refilled next block
             cute.arch.barrier(barrier_id=BAR_RING, number_of_threads=THREADS)
@@ -262,6 +268,37 @@ class IndexerLossBwdSm90:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
+    def _dk_out(self, acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, ch: cutlass.Constexpr, t, b,
+                topk, tidx):
+        if const_expr(self.dk_bulk):
+            self._bulk(acc_dk, sIdx, sDk, mWs, row_bytes, ch, tidx)
+        else:
+            self._scatter(acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, ch, t, b, topk)
+
+    @cute.jit
+    def _bulk(self, acc_dk, sIdx, sDk, mWs, row_bytes, ch: cutlass.Constexpr, tidx):
+        """Stage the 64 x 64 dK chunk in smem, then one 256-byte bulk reduce-add per valid row."""
+        lane_quad = tidx % 4
+        for r in cutlass.range_constexpr(2):
+            row = dev.fragment_row(tidx, r)
+            for gi in cutlass.range_constexpr(8):
+                col = 8 * gi + 2 * lane_quad
+                sDk[row * DK_PITCH + col] = acc_dk[dev.acc_flat(0, r, gi)]
+                sDk[row * DK_PITCH + col + 1] = acc_dk[dev.acc_flat(1, r, gi)]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=THREADS)
+        if tidx < B_TOPK:
+            kv_row = sIdx[tidx]
+            if kv_row >= 0:
+                dst = dev.gmem_addr_i64(mWs.iterator) + Int64(kv_row) * Int64(row_bytes) + Int64(ch * 256)
+                src = dev.smem_addr_u32(sDk.iterator) + tidx * (DK_PITCH * 4)
+                idev.bulk_reduce_add_f32(dst, src, 256)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # the staging buffer is rewritten by the next chunk
+        cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=THREADS)
+
+    @cute.jit
     def _scatter(self, acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, ch: cutlass.Constexpr, t, b, topk):
         """Add (or store) the 64 x 64 dK chunk ``ch``: per 32-column half a quad pairing and a 4 x 4
         lane transpose leave instruction ``j`` of a lane with row ``srow0 + j`` and 4 consecutive
@@ -286,12 +323,13 @@ class IndexerLossBwdSm90:
                         dev.red_add_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
 
 
-def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", **kw):
+def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", dk_bulk: bool = False,
+                     **kw):
     """Compile the loss backward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
-    kernel = IndexerLossBwdSm90(d, has_topk_length, deterministic)
+    kernel = IndexerLossBwdSm90(d, has_topk_length, deterministic, dk_bulk)
     extra = [host.fake(Float32, (cute.sym_int(),), align=4) for _ in range(3)]  # lse, inv, grad
     extra += [
         host.fake(BFloat16, (cute.sym_int(), H, d)),  # dq

@@ -9,16 +9,18 @@ get ``-inf``.  Tiles outside every range are skipped (causal skipping): the call
 ``out`` with ``-inf`` where it needs the dense form (``indexer_logits``); the top-k reads only
 ``[k_start[t], k_end[t])`` of each row.
 
-One CTA per query tile of ``BQ = 256 / h`` queries (so that ``BQ * h = 256`` is the wgmma N);
-384 threads:
+One CTA per query tile of ``2 BQ`` queries, ``BQ = 256 / h`` per consumer warpgroup (so that
+``BQ * h = 256`` is the wgmma N); 384 threads:
 
-* WG2, warp 0 -- producer: the CTA's Q tile (``[BQ*h, d]``, one TMA) once, then the key tiles
+* WG2, warp 0 -- producer: the two Q tiles (``[BQ*h, d]`` each, TMA) once, then the key tiles
   (``[64, d]``, TMA) through a ``PipelineTmaAsync`` ring of ``stages`` buffers;
-* WG0, WG1 -- consumers, alternate key tiles (``stages`` is even, so stage ``s`` always belongs to
-  WG ``s % 2``): ``S^T = K Q^T`` (64 keys x 256 (query, head) columns, keys on the wgmma's M so
-  that the head sum is a row-wise reduction inside a thread plus a quad reduce-scatter), then
-  ``sum_j w_eff * ReLU`` per (key, query) and masked 4-byte stores (8 consecutive keys per
-  8 lanes: full 32-byte sectors).
+* WG0, WG1 -- consumers of every key tile, each with its own Q tile: ``S^T = K Q^T`` (64 keys x
+  256 (query, head) columns, keys on the wgmma's M so that the head sum is a row-wise reduction
+  inside a thread plus a quad reduce-scatter), then ``sum_j w_eff * ReLU`` per (key, query) and
+  masked 4-byte stores (8 consecutive keys per 8 lanes: full 32-byte sectors).  Sharing each key
+  tile between the two warpgroups halves the L2 -> smem key traffic per FLOP (one query tile per
+  key tile needed ~16 B/clk/SM at the tensor rate); the tensor core serialises the two MMAs, so
+  one warpgroup's epilogue runs under the other's MMA.
 
 Heavy query tiles (late in a causal sequence) are launched first.
 """
@@ -67,8 +69,9 @@ class IndexerScoreSm90:
         self.elem = 1 if fp8 else 2
         self.h = h
         self.d = d
-        self.bq = BN // h  # queries per CTA
-        self.stages = 8 if fp8 else 6  # even: stage s always belongs to consumer WG s % 2
+        self.bq = BN // h  # queries per consumer warpgroup
+        self.cq = 2 * self.bq  # queries per CTA
+        self.stages = 5 if (d * self.elem) == 256 else 8
         self.regs_consumer = 232
         self.regs_producer = 40
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -94,24 +97,25 @@ class IndexerScoreSm90:
         stream,
     ):
         atom = warpgroup.make_smem_layout_atom(smem_atom_kind(self.d * self.elem), self.dtype)
-        sQ_layout = cute.tile_to_shape(atom, (BN, self.d), (0, 1))
+        sQ_layout = cute.tile_to_shape(atom, (BN, self.d, 2), (0, 1, 2))  # one tile per consumer WG
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
         sK_layout = cute.tile_to_shape(atom, (BM, self.d, self.stages), (0, 1, 2))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
-        tma_atom_q, tma_q = tma.tile_load_atom(mQ, sQ_layout, (BN, self.d))
+        tma_atom_q, tma_q = tma.tile_load_atom(mQ, sQ_one, (BN, self.d))
         tma_atom_k, tma_k = tma.tile_load_atom(mK, sK_one, (BM, self.d))
 
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[Float32, BN], 16]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BN], 16]
             pipe: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             bar_q: cute.struct.MemRange[cutlass.Int64, 1]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
         rows = mOut.shape[0]
-        n_tiles = (rows + (self.bq - 1)) // self.bq
+        n_tiles = (rows + (self.cq - 1)) // self.cq
         self.kernel(
             mW, mKScale, mStart, mEnd, mOut, q0, s_kv, tma_atom_q, tma_q, tma_atom_k, tma_k,
             sQ_layout, sK_layout, SharedStorage, n_tiles,
@@ -143,7 +147,7 @@ class IndexerScoreSm90:
         wg = warp_idx // 4
         idx_in_wg = tidx % 128
         tile = n_tiles - 1 - bidx  # heavy (late) query tiles first
-        qt0 = q0 + tile * self.bq
+        qt0 = q0 + tile * self.cq
         s_q = mStart.shape[0]
 
         smem = cutlass.memory.SmemAllocator()
@@ -159,17 +163,17 @@ class IndexerScoreSm90:
             barrier_storage=storage.pipe.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # lane 0 of 4 warps
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # lane 0 of 8 warps
             tx_count=k_bytes,
         )
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sW = storage.sW.get_tensor(cute.make_layout(BN))
+        sW = storage.sW.get_tensor(cute.make_layout(2 * BN))
 
         # The key tiles this query tile needs: the union of its rows' ranges.
         k_lo = s_kv
         k_hi = Int32(0)
-        for i in cutlass.range_constexpr(self.bq):
+        for i in cutlass.range_constexpr(self.cq):
             t = qt0 + i
             if t < s_q:
                 st = mStart[t]
@@ -185,7 +189,7 @@ class IndexerScoreSm90:
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 8:
-                gQ = cute.local_tile(tma_q, (BN, self.d), (tile + q0 // self.bq, 0))
+                gQ = cute.local_tile(tma_q, (BN, self.d), (None, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(
                     tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
                 )
@@ -195,8 +199,10 @@ class IndexerScoreSm90:
                 )
                 if n_k > 0:
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, BN * self.d * self.elem)
-                    cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_q)
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, 2 * BN * self.d * self.elem)
+                    q_tile = q0 // self.bq + 2 * tile  # q0 is a multiple of cq
+                    for w in cutlass.range_constexpr(2):
+                        cute.copy(tma_atom_q, tQgQ[None, q_tile + w], tQsQ[None, w], tma_bar_ptr=bar_q)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for i in cutlass.range(n_k, unroll=1):
                     pipe.producer_acquire(state)
@@ -206,18 +212,18 @@ class IndexerScoreSm90:
                     state.advance()
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
-            # weights of the tile's (query, head) columns; 0 past s_q
-            c = wg * 128 + idx_in_wg
-            w_idx = Int64(qt0) * self.h + c
-            w = Float32(0.0)
-            if qt0 + c // self.h < s_q:
-                w = mW[w_idx]
-            sW[c] = w
+            # weights of the CTA's (query, head) columns; 0 past s_q
+            for e in cutlass.range_constexpr(2):
+                c = e * 256 + wg * 128 + idx_in_wg
+                w = Float32(0.0)
+                if qt0 + c // self.h < s_q:
+                    w = mW[Int64(qt0) * self.h + c]
+                sW[c] = w
             cute.arch.barrier(barrier_id=BAR_W, number_of_threads=256)
             if n_k > 0:
                 cute.arch.mbarrier_wait(bar_q, 0)
-                self.consumer(mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0, s_q, s_kv, tile_lo, n_k,
-                              wg, idx_in_wg)
+                self.consumer(mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0 + wg * self.bq, s_q, s_kv,
+                              tile_lo, n_k, wg, idx_in_wg)
 
     @cute.jit
     def consumer(self, mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0, s_q, s_kv, tile_lo, n_k, wg,
@@ -225,7 +231,7 @@ class IndexerScoreSm90:
         mma = self._mma()
         thr = mma.get_slice(idx_in_wg)
         tSrK = thr.make_fragment_A(thr.partition_A(sK))  # (MMA, M, K, stage)
-        tSrQ = thr.make_fragment_B(thr.partition_B(sQ))
+        tSrQ = thr.make_fragment_B(thr.partition_B(sQ))  # (MMA, N, K, Q tile)
         acc = thr.make_fragment_C(thr.partition_shape_C((BM, BN)))
         lane = idx_in_wg % 32
         lane_quad = lane % 4
@@ -248,23 +254,23 @@ class IndexerScoreSm90:
         n_rows_out = mOut.shape[0]
         vals = cute.make_rmem_tensor((2 * self.bq,), Float32)
         n_k_tiles = cute.size(tSrQ, mode=[2])
-        state = pipeline.PipelineState(self.stages, Int32(0), wg, Int32(0))
-        n_mine = (n_k - wg + 1) // 2
-        for m in cutlass.range(n_mine, unroll=1):
-            key0 = (tile_lo + wg + 2 * m) * BM
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        w_off = wg * BN
+        for i in cutlass.range(n_k, unroll=1):
+            key0 = (tile_lo + i) * BM
             pipe.consumer_wait(state)
             mma_i = self._mma()
             cute.nvgpu.warpgroup.fence()
             for k in cutlass.range_constexpr(n_k_tiles):
                 mma_i.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(mma_i, acc, tSrK[None, None, k, state.index], tSrQ[None, None, k], acc)
+                cute.gemm(mma_i, acc, tSrK[None, None, k, state.index], tSrQ[None, None, k, wg], acc)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
             pipe.consumer_release(state)
-            state.advance(2)
+            state.advance()
             # head sum per (key row, query), then the quad reduce-scatter
             for qi in cutlass.range_constexpr(self.bq):
-                s0, s1 = idev.weighted_relu_rows(acc, sW, Int32(0), qi * self.h, self.h, lane_quad)
+                s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad)
                 vals[2 * qi] = s0
                 vals[2 * qi + 1] = s1
             idev.quad_reduce_scatter(vals, 2 * self.bq, lane)

@@ -1,18 +1,26 @@
 """Exact per-row top-k over a block of indexer score rows (CuTe DSL; plain loads/stores and shared
 atomics -- no tensor cores, so arch-agnostic; compiled for sm_90a here).
 
-One CTA (512 threads) per row ``r`` of ``scores [rows, ld]`` (query ``t = q0 + r``); the row's
-keys are ``[k_start[t], k_end[t])``.  A row with ``n <= topk`` keys takes them all.  Otherwise a
-radix select on the order-preserving uint32 key of each score (NaN as -inf, -0 as +0) finds the
-threshold ``T`` -- the ``topk``-th largest key -- in at most three histogram passes over the row
-(digits of 11, 11 and 10 bits, 2048 shared-memory bins; a pass whose threshold bin is taken
-whole ends the search early), then two warp-segmented passes write the selection in ascending key
-order: every key above ``T`` and the first ``need`` keys equal to ``T`` (ties go to the smaller
-index), at position ``#(greater before it) + min(#(equal before it), need)`` -- ballots and
-popcounts, no sort.  The result is exact and deterministic.
+One CTA (512 threads, 16 warps) per row ``r`` of ``scores [rows, ld]`` (query ``t = q0 + r``);
+the row's keys are ``[k_start[t], k_end[t])``.  A row with ``n <= topk`` keys takes them all.
+Otherwise a radix select on the order-preserving uint32 key of each score (NaN as -inf, -0 as
++0) finds the threshold -- the ``topk``-th largest key -- and the selection is written in
+ascending key order: every key above the threshold and the first ``need`` keys equal to it (ties
+go to the smaller index), at position ``#(greater before it) + min(#(equal before it), need)``
+(ballots and popcounts, no sort).  Exact and deterministic.
 
-Reads each row 4-5 times (the first from HBM, the rest mostly from L2: a block of rows is a few
-hundred MB at most, each CTA's row a few hundred KB).
+Global passes over the row (each warp owns a contiguous segment of it in the passes that need the
+order):
+
+1. a 2048-bin shared histogram of the top 11 key bits (16-byte loads) -> the threshold bin ``b``;
+2. per warp segment, the count of keys above ``b`` (and equal to it), and the keys of bin ``b``
+   collected into shared memory (at most :data:`CAP` of them);
+3. the write pass.
+
+Between 2 and 3 the threshold is refined on the shared candidates (digits of 11 and 10 bits; a
+digit whose threshold bin is taken whole ends the search) and the candidates are counted per
+warp segment.  A row whose threshold bin holds more than :data:`CAP` keys (heavy ties) refines
+and counts by further passes over the row instead (up to 5 in all).
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from ..common import indexer_device as idev
 THREADS = 512
 WARPS = THREADS // 32
 BINS = 2048
-#: (shift, bits) of the three radix digits, most significant first.
-DIGITS = ((21, 11), (10, 11), (0, 10))
+#: Shared-memory candidates (keys of the threshold bin of the first digit).
+CAP = 4096
+D1 = (21, 11)  # (shift, bits) of the first digit
+REFINE = ((10, 11), (0, 10))  # the finer digits
 BAR = 1
 
 
@@ -54,7 +64,11 @@ class IndexerTopkSm90:
         @cute.struct
         class SharedStorage:
             hist: cute.struct.Align[cute.struct.MemRange[Int32, BINS], 16]
-            scratch: cute.struct.MemRange[Int32, 2 * WARPS]
+            cand_key: cute.struct.Align[cute.struct.MemRange[Uint32, CAP], 16]
+            cand_idx: cute.struct.Align[cute.struct.MemRange[Int32, CAP], 16]
+            scratch: cute.struct.MemRange[Int32, WARPS]
+            seg_gt: cute.struct.MemRange[Int32, WARPS]
+            seg_eq: cute.struct.MemRange[Int32, WARPS]
             found: cute.struct.MemRange[Int32, 4]
 
         self.kernel(mScores, mStart, mEnd, mIdx, mLen, mLogits, q0, SharedStorage).launch(
@@ -68,17 +82,14 @@ class IndexerTopkSm90:
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sHist = storage.hist.get_tensor(cute.make_layout(BINS))
-        sScratch = storage.scratch.get_tensor(cute.make_layout(2 * WARPS))
-        sFound = storage.found.get_tensor(cute.make_layout(4))
         t = q0 + bidx
         s_q = mStart.shape[0]
         topk = mIdx.shape[1]
         if t < s_q:
             st = mStart[t]
             n = cutlass.max(mEnd[t] - st, Int32(0))
-            row = cute.make_tensor(mScores.iterator + (Int64(bidx) * Int64(mScores.shape[1]) + Int64(st)),
-                                   cute.make_layout(cutlass.max(n, Int32(1))))
+            row_ptr = mScores.iterator + (Int64(bidx) * Int64(mScores.shape[1]) + Int64(st))
+            row = cute.make_tensor(row_ptr, cute.make_layout(cutlass.max(n, Int32(1))))
             if n <= topk:
                 for i in cutlass.range((topk - tidx + THREADS - 1) // THREADS, unroll=1):
                     j = tidx + i * THREADS
@@ -92,68 +103,174 @@ class IndexerTopkSm90:
                 if tidx == 0:
                     mLen[t] = n
             else:
-                self.select(row, n, st, t, topk, mIdx, mLogits, sHist, sScratch, sFound, tidx)
+                self.select(row, row_ptr, n, st, t, topk, mIdx, mLogits, storage, tidx)
                 if tidx == 0:
                     mLen[t] = topk
 
+    # ------------------------------------------------------------------------------------------
     @cute.jit
-    def select(self, row, n, st, t, topk, mIdx, mLogits, sHist, sScratch, sFound, tidx):
-        """``n > topk``: radix select of the threshold, then the ordered write."""
-        prefix = Uint32(0)  # key bits above the current digit of the threshold
-        need = topk  # how many of the keys sharing `prefix` are still to be taken
-        shift = Int32(32)  # keys are compared on key >> shift
-        done = Int32(0)
-        for p in cutlass.range_constexpr(len(DIGITS)):
-            d_shift, d_bits = DIGITS[p]
-            if done == 0:
-                nb = 1 << d_bits
-                for i in cutlass.range_constexpr(BINS // THREADS):
-                    sHist[tidx + i * THREADS] = Int32(0)
-                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-                for i in cutlass.range((n - tidx + THREADS - 1) // THREADS, unroll=4):
-                    key = idev.ordered_key(row[tidx + i * THREADS])
-                    hit = True
-                    if const_expr(p > 0):
-                        hit = (key >> Uint32(shift)) == prefix
-                    if hit:
-                        b = Int32((key >> Uint32(d_shift)) & Uint32(nb - 1))
-                        cute.arch.atomic_add(sHist.iterator + b, Int32(1))
-                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-                # Bins in descending order: thread i owns bins nb-1-per*i-e (e = 0..per-1).
-                per = nb // THREADS
-                local = Int32(0)
-                for e in cutlass.range_constexpr(per):
-                    local = local + sHist[nb - 1 - per * tidx - e]
-                above, _ = idev.block_exclusive_sum(local, sScratch, tidx, WARPS, BAR, THREADS)
-                acc = above
-                for e in cutlass.range_constexpr(per):
-                    b = nb - 1 - per * tidx - e
-                    c = sHist[b]
-                    if acc < need and need <= acc + c:
-                        sFound[0] = b
-                        sFound[1] = need - acc
-                        sFound[2] = c
-                    acc = acc + c
-                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-                b = sFound[0]
-                need = sFound[1]
-                cnt = sFound[2]
-                prefix = (prefix << Uint32(d_bits)) | Uint32(b)
-                shift = Int32(d_shift)
-                if cnt == need:
-                    done = Int32(1)  # the whole threshold bin is taken: no finer digit needed
-                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-        self.write_selection(row, n, st, t, prefix, shift, need, mIdx, mLogits, sScratch, tidx)
+    def find_bin(self, sHist, nb: cutlass.Constexpr, need, sScratch, sFound, tidx):
+        """``(b, need', count)``: the bin holding the ``need``-th largest key (bins scanned from
+        the top), how many of its keys are still needed, and its count.  Ends with a barrier."""
+        per = nb // THREADS  # thread i owns bins nb-1-per*i-e, e = 0..per-1 (descending)
+        local = Int32(0)
+        for e in cutlass.range_constexpr(per):
+            local = local + sHist[nb - 1 - per * tidx - e]
+        above, _ = idev.block_exclusive_sum(local, sScratch, tidx, WARPS, BAR, THREADS)
+        acc = above
+        for e in cutlass.range_constexpr(per):
+            b = nb - 1 - per * tidx - e
+            c = sHist[b]
+            if acc < need and need <= acc + c:
+                sFound[0] = b
+                sFound[1] = need - acc
+                sFound[2] = c
+            acc = acc + c
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        res = (sFound[0], sFound[1], sFound[2])
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        return res
 
     @cute.jit
-    def write_selection(self, row, n, st, t, prefix, shift, need, mIdx, mLogits, sScratch, tidx):
-        """Keys with ``key >> shift > prefix`` and the first ``need`` with ``== prefix``, in order."""
+    def clear_hist(self, sHist, tidx):
+        for i in cutlass.range_constexpr(BINS // THREADS):
+            sHist[tidx + i * THREADS] = Int32(0)
+
+    @cute.jit
+    def select(self, row, row_ptr, n, st, t, topk, mIdx, mLogits, storage, tidx):
+        """``n > topk``: the threshold (prefix of the key above ``shift``, ``need`` of its ties),
+        the per-warp-segment counts, then the ordered write."""
+        sHist = storage.hist.get_tensor(cute.make_layout(BINS))
+        sCandKey = storage.cand_key.get_tensor(cute.make_layout(CAP))
+        sCandIdx = storage.cand_idx.get_tensor(cute.make_layout(CAP))
+        sScratch = storage.scratch.get_tensor(cute.make_layout(WARPS))
+        sSegGt = storage.seg_gt.get_tensor(cute.make_layout(WARPS))
+        sSegEq = storage.seg_eq.get_tensor(cute.make_layout(WARPS))
+        sFound = storage.found.get_tensor(cute.make_layout(4))
         lane = tidx % 32
         warp = tidx // 32
-        seg = ((n + WARPS * 32 - 1) // (WARPS * 32)) * 32
+        seg = ((n + THREADS - 1) // THREADS) * 32  # each warp's contiguous segment
         w0 = warp * seg
         w1 = cutlass.min(w0 + seg, n)
         n_steps = cutlass.max(w1 - w0 + 31, Int32(0)) // 32
+
+        # -- pass 1: histogram of the first digit (16-byte loads past the unaligned head) --------
+        self.clear_hist(sHist, tidx)
+        if tidx == 0:
+            sFound[3] = Int32(0)  # candidate count
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        mis = Int32((row_ptr.toint() // 4) % 4)
+        head = cutlass.min((4 - mis) % 4, n)
+        n_vec = (n - head) // 4
+        for i in cutlass.range((head - tidx + THREADS - 1) // THREADS, unroll=1):
+            self.hist_add(sHist, idev.ordered_key(row[tidx + i * THREADS]))
+        tail0 = head + 4 * n_vec
+        for i in cutlass.range((n - tail0 - tidx + THREADS - 1) // THREADS, unroll=1):
+            self.hist_add(sHist, idev.ordered_key(row[tail0 + tidx + i * THREADS]))
+        r4 = cute.make_rmem_tensor((4,), Float32)
+        for i in cutlass.range((n_vec - tidx + THREADS - 1) // THREADS, unroll=4):
+            v = tidx + i * THREADS
+            src = cute.make_tensor((row_ptr + (Int64(head) + Int64(4 * v))).align(16), cute.make_layout(4))
+            cute.autovec_copy(src, r4)
+            for e in cutlass.range_constexpr(4):
+                self.hist_add(sHist, idev.ordered_key(r4[e]))
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        b1, need, cnt = self.find_bin(sHist, BINS, topk, sScratch, sFound, tidx)
+        prefix = Uint32(b1)
+        shift = Int32(D1[0])
+        done = cnt == need
+        use_cand = (cnt <= CAP) & (cnt != need)
+
+        # -- pass 2: per-segment counts above / in bin b1; bin b1's keys to smem ---------------
+        lt = cute.arch.lanemask_lt()
+        cgt = Int32(0)
+        ceq = Int32(0)
+        for i in cutlass.range(n_steps, unroll=2):
+            j = w0 + i * 32 + lane
+            ok = j < w1
+            key = Uint32(0)
+            if ok:
+                key = idev.ordered_key(row[j])
+            hi = key >> Uint32(D1[0])
+            gt = ok & (hi > prefix)
+            eq = ok & (hi == prefix)
+            cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(gt))))
+            m = Uint32(cute.arch.vote_ballot_sync(eq))
+            ceq = ceq + Int32(cute.arch.popc(m))
+            if use_cand:
+                if m != Uint32(0):
+                    base = Int32(0)
+                    if lane == 0:
+                        base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
+                    base = cute.arch.shuffle_sync(base, 0)
+                    if eq:
+                        pos = base + Int32(cute.arch.popc(m & lt))
+                        sCandKey[pos] = key
+                        sCandIdx[pos] = j
+        if lane == 0:
+            sSegGt[warp] = cgt
+            sSegEq[warp] = ceq
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+
+        if use_cand:
+            # -- refine on the candidates (shared memory only) --------------------------------
+            for p in cutlass.range_constexpr(len(REFINE)):
+                d_shift, d_bits = REFINE[p]
+                if not done:
+                    self.clear_hist(sHist, tidx)
+                    cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                    for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                        key = sCandKey[tidx + i * THREADS]
+                        if (key >> Uint32(d_shift + d_bits)) == prefix:
+                            b = Int32((key >> Uint32(d_shift)) & Uint32((1 << d_bits) - 1))
+                            cute.arch.atomic_add(sHist.iterator + b, Int32(1))
+                    cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                    b, need, c = self.find_bin(sHist, 1 << d_bits, need, sScratch, sFound, tidx)
+                    prefix = (prefix << Uint32(d_bits)) | Uint32(b)
+                    shift = Int32(d_shift)
+                    done = c == need
+            # -- the candidates per warp segment: finer "greater" and "equal" ------------------
+            if tidx < WARPS:
+                sSegEq[tidx] = Int32(0)
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+            for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                key = sCandKey[tidx + i * THREADS]
+                w = sCandIdx[tidx + i * THREADS] // seg
+                hi = key >> Uint32(shift)
+                if hi > prefix:
+                    cute.arch.atomic_add(sSegGt.iterator + w, Int32(1))
+                if hi == prefix:
+                    cute.arch.atomic_add(sSegEq.iterator + w, Int32(1))
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        else:
+            if not done:
+                # -- heavy ties: refine and count by passes over the row -------------------------
+                for p in cutlass.range_constexpr(len(REFINE)):
+                    d_shift, d_bits = REFINE[p]
+                    if not done:
+                        self.clear_hist(sHist, tidx)
+                        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                        for i in cutlass.range((n - tidx + THREADS - 1) // THREADS, unroll=4):
+                            key = idev.ordered_key(row[tidx + i * THREADS])
+                            if (key >> Uint32(d_shift + d_bits)) == prefix:
+                                b = Int32((key >> Uint32(d_shift)) & Uint32((1 << d_bits) - 1))
+                                cute.arch.atomic_add(sHist.iterator + b, Int32(1))
+                        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                        b, need, c = self.find_bin(sHist, 1 << d_bits, need, sScratch, sFound, tidx)
+                        prefix = (prefix << Uint32(d_bits)) | Uint32(b)
+                        shift = Int32(d_shift)
+                        done = c == need
+                self.count_segments(row, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp)
+        self.write_selection(row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
+                             lane, warp)
+
+    @cute.jit
+    def hist_add(self, sHist, key):
+        cute.arch.atomic_add(sHist.iterator + Int32(key >> Uint32(D1[0])), Int32(1))
+
+    @cute.jit
+    def count_segments(self, row, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp):
+        """Per warp segment: keys with ``key >> shift`` above / equal to ``prefix``."""
         sh = Uint32(shift)
         cgt = Int32(0)
         ceq = Int32(0)
@@ -163,20 +280,25 @@ class IndexerTopkSm90:
             hi = Uint32(0)
             if ok:
                 hi = idev.ordered_key(row[j]) >> sh
-            gt = ok & (hi > prefix)
-            eq = ok & (hi == prefix)
-            cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(gt))))
-            ceq = ceq + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(eq))))
+            cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi > prefix)))))
+            ceq = ceq + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi == prefix)))))
         if lane == 0:
-            sScratch[warp] = Int32(cgt)
-            sScratch[WARPS + warp] = Int32(ceq)
+            sSegGt[warp] = cgt
+            sSegEq[warp] = ceq
         cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+
+    @cute.jit
+    def write_selection(self, row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
+                        lane, warp):
+        """Keys with ``key >> shift`` above ``prefix`` and the first ``need`` equal to it, in order,
+        from the per-warp-segment counts."""
+        sh = Uint32(shift)
         gt_before = Int32(0)
         eq_before = Int32(0)
         for w in cutlass.range_constexpr(WARPS):
             mine = Int32(w) < warp
-            gt_before = gt_before + Int32(cutlass.select_(mine, sScratch[w], Int32(0)))
-            eq_before = eq_before + Int32(cutlass.select_(mine, sScratch[WARPS + w], Int32(0)))
+            gt_before = gt_before + Int32(cutlass.select_(mine, sSegGt[w], Int32(0)))
+            eq_before = eq_before + Int32(cutlass.select_(mine, sSegEq[w], Int32(0)))
         lt = cute.arch.lanemask_lt()
         for i in cutlass.range(n_steps, unroll=2):
             j = w0 + i * 32 + lane
