@@ -41,6 +41,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
                          "topk_parts (score and select kernels timed apart)")
     ap.add_argument("--no-peer", action="store_true", help="do not time cuDNN-frontend")
+    ap.add_argument("--peer-only", action="store_true", help="time only cuDNN-frontend")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sets", type=int, default=2)
@@ -164,19 +165,20 @@ def rows(args):
     ours = "ours" if backend != "reference" else "reference"
     cases = args.cases.split(",")
     peer = None if (args.no_peer or not cuda) else _cudnn()
+    mine = [] if getattr(args, "peer_only", False) else cases
     out = []
     scale = D ** -0.5
     for S in seqs:
         fl_scores = 2.0 * H * D * S * (S + 1) / 2
         fl_pass = 2.0 * S * TOPK * H * D
         sets = _inputs(S, args.sets, dev)
-        if "topk" in cases:
+        if "topk" in mine:
             def f(i):
                 s = sets[i]
                 return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_bf16", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
-        if "topk_fp8" in cases:
+        if "topk_fp8" in mine:
             s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
                        qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
 
@@ -187,16 +189,16 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
-        if "topk_parts" in cases and cuda:
+        if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
-        if "loss" in cases or "loss_det" in cases or "loss_bulk" in cases:
+        if "loss" in mine or "loss_det" in mine or "loss_bulk" in mine:
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
             tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
-            variants = ([(False, "red")] if "loss" in cases else []) + ([(True, "red")] if "loss_det" in cases else [])
-            variants += [(False, "bulk")] if ("loss_bulk" in cases and cuda) else []
+            variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "red")] if "loss_det" in mine else [])
+            variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
             for det, dk in variants:
                 tag = ("_det" if det else "") + ("_dkbulk" if dk == "bulk" else "")
                 os.environ["MLA_KERNELS_INDEXER_DK"] = dk
