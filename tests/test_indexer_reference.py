@@ -311,3 +311,29 @@ def test_empty_problems():
     loss = mk.indexer_loss(e, k, torch.randn(0, 2), torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, 3))
     assert loss.item() == 0
     loss.backward()
+
+
+def test_dsa_layer_flow_from_the_readme():
+    """The README's order of calls at a tiny size on the CPU: indexer_topk -> sparse_mla (with the
+    AttnSum holder) -> backward -> indexer_loss on the free target -> backward."""
+    g = torch.Generator().manual_seed(0)
+    S, h_q, h_idx, d_idx, topk, d_qk = 24, 4, 4, 16, 8, 576
+    x_q = torch.randn(S, h_q, d_qk, generator=g, requires_grad=True)
+    x_kv = torch.randn(S, 1, d_qk, generator=g, requires_grad=True)
+    q_idx = torch.randn(S, h_idx, d_idx, generator=g, requires_grad=True)
+    k_idx = torch.randn(S, d_idx, generator=g, requires_grad=True)
+    w_idx = torch.randn(S, h_idx, generator=g, requires_grad=True)
+    with torch.no_grad():
+        indices, topk_length = mk.indexer_topk(q_idx, k_idx, w_idx, topk, sm_scale=d_idx ** -0.5)
+    holder = mk.AttnSum()
+    out = mk.sparse_mla(x_q, x_kv, indices.view(S, 1, topk), d_qk ** -0.5, topk_length=topk_length,
+                        attn_sum=holder)
+    out.float().square().mean().backward()
+    assert holder.value.shape == (S, topk) and x_q.grad is not None
+    loss = mk.indexer_loss(q_idx, k_idx, w_idx, indices, holder.value, sm_scale=d_idx ** -0.5,
+                           topk_length=topk_length)
+    loss.backward()
+    assert loss.item() >= 0 and q_idx.grad.abs().sum() > 0 and w_idx.grad.abs().sum() > 0
+    # the target sums to h_q over each row's valid slots (softmax per head, summed over heads)
+    sums = holder.value.sum(dim=1)
+    torch.testing.assert_close(sums[topk_length > 0], torch.full_like(sums[topk_length > 0], float(h_q)))
