@@ -32,6 +32,9 @@ WORKSPACE_BYTES = 512 << 20
 #: How the loss backward adds dk: ``red`` (16-byte float atomics from registers) or ``bulk``
 #: (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
 ENV_DK = "MLA_KERNELS_INDEXER_DK"
+#: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
+#: step, the first version's behaviour; default 4).
+ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 FP8 = torch.float8_e4m3fn
 SCORE_BN = 256  # the score kernel's (query, head) columns per CTA
 SCORE_BM = 64  # its key rows per tile
@@ -105,7 +108,11 @@ def _topk_fn(p, return_logits: bool):
     from .indexer_topk import compile_topk
 
     arch = _arch(p)
-    return cached(("IndexerTopkSm90", return_logits, arch), lambda: compile_topk(return_logits, arch))
+    batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
+    if batch not in (1, 2, 4, 8):
+        raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
+    return cached(("IndexerTopkSm90", return_logits, batch, arch),
+                  lambda: compile_topk(return_logits, arch, batch=batch))
 
 
 #: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.

@@ -44,10 +44,14 @@ BAR = 1
 
 
 class IndexerTopkSm90:
-    """Static configuration (whether the selected scores are returned) + launcher + kernel."""
+    """Static configuration (whether the selected scores are returned; ``batch``: warp steps of 32
+    keys whose loads are issued together in the ordered passes) + launcher + kernel."""
 
-    def __init__(self, return_logits: bool):
+    def __init__(self, return_logits: bool, batch: int = 4):
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         self.return_logits = return_logits
+        self.batch = batch
 
     @cute.jit
     def __call__(
@@ -185,28 +189,29 @@ class IndexerTopkSm90:
         lt = cute.arch.lanemask_lt()
         cgt = Int32(0)
         ceq = Int32(0)
-        for i in cutlass.range(n_steps, unroll=2):
-            j = w0 + i * 32 + lane
-            ok = j < w1
-            key = Uint32(0)
-            if ok:
-                key = idev.ordered_key(row[j])
-            hi = key >> Uint32(D1[0])
-            gt = ok & (hi > prefix)
-            eq = ok & (hi == prefix)
-            cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(gt))))
-            m = Uint32(cute.arch.vote_ballot_sync(eq))
-            ceq = ceq + Int32(cute.arch.popc(m))
-            if use_cand:
-                if m != Uint32(0):
-                    base = Int32(0)
-                    if lane == 0:
-                        base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
-                    base = cute.arch.shuffle_sync(base, 0)
-                    if eq:
-                        pos = base + Int32(cute.arch.popc(m & lt))
-                        sCandKey[pos] = key
-                        sCandIdx[pos] = j
+        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                j = w0 + (ib * self.batch + u) * 32 + lane
+                ok = j < w1
+                key = idev.ordered_key(xs[u])
+                hi = key >> Uint32(D1[0])
+                gt = ok & (hi > prefix)
+                eq = ok & (hi == prefix)
+                cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(gt))))
+                m = Uint32(cute.arch.vote_ballot_sync(eq))
+                ceq = ceq + Int32(cute.arch.popc(m))
+                if use_cand:
+                    if m != Uint32(0):
+                        base = Int32(0)
+                        if lane == 0:
+                            base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
+                        base = cute.arch.shuffle_sync(base, 0)
+                        if eq:
+                            pos = base + Int32(cute.arch.popc(m & lt))
+                            sCandKey[pos] = key
+                            sCandIdx[pos] = j
         if lane == 0:
             sSegGt[warp] = cgt
             sSegEq[warp] = ceq
@@ -274,14 +279,14 @@ class IndexerTopkSm90:
         sh = Uint32(shift)
         cgt = Int32(0)
         ceq = Int32(0)
-        for i in cutlass.range(n_steps, unroll=2):
-            j = w0 + i * 32 + lane
-            ok = j < w1
-            hi = Uint32(0)
-            if ok:
-                hi = idev.ordered_key(row[j]) >> sh
-            cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi > prefix)))))
-            ceq = ceq + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi == prefix)))))
+        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                ok = w0 + (ib * self.batch + u) * 32 + lane < w1
+                hi = idev.ordered_key(xs[u]) >> sh
+                cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi > prefix)))))
+                ceq = ceq + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi == prefix)))))
         if lane == 0:
             sSegGt[warp] = cgt
             sSegEq[warp] = ceq
@@ -300,37 +305,47 @@ class IndexerTopkSm90:
             gt_before = gt_before + Int32(cutlass.select_(mine, sSegGt[w], Int32(0)))
             eq_before = eq_before + Int32(cutlass.select_(mine, sSegEq[w], Int32(0)))
         lt = cute.arch.lanemask_lt()
-        for i in cutlass.range(n_steps, unroll=2):
-            j = w0 + i * 32 + lane
-            ok = j < w1
-            x = Float32(0.0)
-            hi = Uint32(0)
-            if ok:
-                x = row[j]
+        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                j = w0 + (ib * self.batch + u) * 32 + lane
+                ok = j < w1
+                x = xs[u]
                 hi = idev.ordered_key(x) >> sh
-            gt = ok & (hi > prefix)
-            eq = ok & (hi == prefix)
-            gtm = Uint32(cute.arch.vote_ballot_sync(gt))
-            eqm = Uint32(cute.arch.vote_ballot_sync(eq))
-            my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
-            my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
-            if gt or (eq and my_eq < need):
-                pos = my_gt + cutlass.min(my_eq, need)
-                mIdx[t, pos] = st + j
-                if const_expr(self.return_logits):
-                    mLogits[t, pos] = x
-            gt_before = gt_before + Int32(cute.arch.popc(gtm))
-            eq_before = eq_before + Int32(cute.arch.popc(eqm))
+                gt = ok & (hi > prefix)
+                eq = ok & (hi == prefix)
+                gtm = Uint32(cute.arch.vote_ballot_sync(gt))
+                eqm = Uint32(cute.arch.vote_ballot_sync(eq))
+                my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
+                my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
+                if gt or (eq and my_eq < need):
+                    pos = my_gt + cutlass.min(my_eq, need)
+                    mIdx[t, pos] = st + j
+                    if const_expr(self.return_logits):
+                        mLogits[t, pos] = x
+                gt_before = gt_before + Int32(cute.arch.popc(gtm))
+                eq_before = eq_before + Int32(cute.arch.popc(eqm))
+
+    @cute.jit
+    def load_batch(self, row, xs, j0, w1):
+        """``xs[u] = row[j0 + 32 u]`` (0 past ``w1``): the batch's loads issued back to back."""
+        for u in cutlass.range_constexpr(self.batch):
+            j = j0 + 32 * u
+            x = Float32(0.0)
+            if j < w1:
+                x = row[j]
+            xs[u] = x
 
 
-def compile_topk(return_logits: bool, arch: str = "sm_90a", **kw):
+def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, **kw):
     """Compile the top-k kernel (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     rows, ld, s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(7))
     topk, topk2 = cute.sym_int(), cute.sym_int()
-    kernel = IndexerTopkSm90(return_logits)
+    kernel = IndexerTopkSm90(return_logits, batch)
     args = (
         host.fake(Float32, (rows, ld), align=4),
         host.fake(Int32, (s_q,), align=4),
