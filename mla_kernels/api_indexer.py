@@ -186,7 +186,7 @@ def indexer_topk(
     directly.
 
     On sm90 the scores are computed by blocks of query rows into a bounded float32 workspace
-    (``mla_kernels.common.indexer_host.WORKSPACE_BYTES``, 512 MiB by default) and each row's exact
+    (``mla_kernels.sm90.indexer_host.WORKSPACE_BYTES``, 512 MiB by default) and each row's exact
     top-k is selected there; the reference works by chunks of rows likewise.
     """
     if isinstance(topk, bool) or not isinstance(topk, numbers.Integral):

@@ -160,10 +160,10 @@ def parse(text):
         if body.startswith(("ERROR SUMMARY", "RACECHECK SUMMARY")):
             summary = body
             continue
-        if body.startswith(("COMPUTE-SANITIZER", "Target application", "Program hit", "Saved host")):
-            continue
-        if "on CUDA API call to cuGetProcAddress" in body:
+        if "on CUDA API call to cuGetProcAddress" in body:  # before the skips: it is a "Program hit" line
             probes += 1
+            continue
+        if body.startswith(("COMPUTE-SANITIZER", "Target application", "Saved host")):
             continue
         if cur is None:
             stray.append(body[:160])
