@@ -11,6 +11,10 @@ Public API:
 * :func:`indexer_topk` -- the lightning indexer's exact top-k keys per query (scores streamed);
 * :func:`indexer_logits` -- the indexer's dense scores ``[s_q, s_kv]``;
 * :func:`indexer_loss` -- the indexer's KL loss against the attention distribution (autograd).
+
+Importing the package also registers the ops as ``torch.library`` custom ops
+(``torch.ops.mla_kernels.sparse_mla_fwd``, ``attn_dist``, ``sparse_mla_bwd``; see
+:mod:`mla_kernels.ops`): ``torch.compile`` and ``torch.export`` trace through them.
 """
 
 from .api import attn_dist, sparse_mla_bwd, sparse_mla_fwd
@@ -18,6 +22,7 @@ from .api_indexer import indexer_logits, indexer_topk
 from .autograd_indexer import indexer_loss
 from .autograd import AttnSum, sparse_mla
 from .dispatch import BackendUnavailableError, backend_for
+from . import ops  # noqa: F401,E402  (registers torch.ops.mla_kernels.*)
 
 __version__ = "0.1.0"
 

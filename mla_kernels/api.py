@@ -18,13 +18,21 @@ Input conventions (shared by every op):
   one-off copy per call; pass contiguous tensors to avoid it).  Outputs are always contiguous.
 * ``topk`` that is not a multiple of the selected kernel's block is padded with -1 slots
   internally; results keep the caller's ``topk``.
+* ``sm_scale`` is a finite real number ``> 0`` (the kernels fold it into ``exp2``).
+
+Eager calls run the body of each function directly (no dispatcher cost).  While
+``torch.compile`` or ``torch.export`` traces (``torch.compiler.is_compiling()``), each public op
+checks its inputs' metadata (:func:`check_inputs`: shapes, dtypes, devices -- the same errors as
+eagerly, raised at trace time) and calls its ``torch.library`` custom op
+(``torch.ops.mla_kernels.*``, defined in :mod:`mla_kernels.ops`) instead, whose implementation
+is the eager body.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -32,10 +40,16 @@ from . import dispatch
 from .common.problem import Problem
 from .reference import compute_dtype
 
-__all__ = ["sparse_mla_fwd", "attn_dist", "sparse_mla_bwd", "make_problem"]
+__all__ = ["sparse_mla_fwd", "attn_dist", "sparse_mla_bwd", "make_problem", "check_inputs", "tracing"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def tracing() -> bool:
+    """True while ``torch.compile``/``torch.export`` traces: tensors may be fake (no data), so the
+    public ops call their ``torch.library`` custom ops instead of running eagerly."""
+    return torch.compiler.is_compiling()
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -66,10 +80,30 @@ def _check_scale(sm_scale) -> float:
     sm_scale = float(sm_scale)
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0 (the softmax scale, e.g. d_qk ** -0.5), got {sm_scale}")
     return sm_scale
 
 
-def make_problem(
+def _check_flag(name: str, flag) -> bool:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    return flag
+
+
+class Shapes(NamedTuple):
+    """What :func:`check_inputs` derives from the inputs (no tensor data is read)."""
+
+    s_q: int
+    h_q: int
+    d_qk: int
+    s_kv: int
+    topk: int
+    d_v: int
+    sm_scale: float
+
+
+def check_inputs(
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
@@ -77,8 +111,9 @@ def make_problem(
     d_v: Optional[int] = 512,
     topk_length: Optional[torch.Tensor] = None,
     attn_sink: Optional[torch.Tensor] = None,
-) -> Problem:
-    """Validate the shared inputs and normalise them into a :class:`Problem`.
+) -> Shapes:
+    """Check the shared inputs' types, shapes, dtypes and devices (metadata only: works on the
+    fake tensors of ``torch.compile``/``torch.export`` tracing).
 
     Raises ``TypeError`` for wrong types/dtypes and ``ValueError`` for wrong shapes, sizes,
     devices or values, each naming the argument and what was expected.  ``d_v=None`` (ops that
@@ -108,7 +143,6 @@ def make_problem(
     if kv.dtype != q.dtype:
         raise TypeError(f"kv must have q's dtype {q.dtype}, got {kv.dtype}")
     _check_device("kv", kv, device)
-    s_kv = kv.shape[0]
 
     _check_tensor("indices", indices, "of shape [s_q, 1, topk] or [s_q, topk]")
     if indices.dim() == 3:
@@ -123,21 +157,17 @@ def make_problem(
     if indices.dtype not in _INDEX_DTYPES:
         raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
     _check_device("indices", indices, device)
-    idx = indices.reshape(s_q, indices.shape[-1])
-    if idx.dtype == torch.int64:
-        idx = torch.where((idx < 0) | (idx >= s_kv), torch.full_like(idx, -1), idx).to(torch.int32)
-    topk = idx.shape[1]
 
     sm_scale = _check_scale(sm_scale)
     if d_v is None:
         d_v = d_qk
-    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral):
+    elif isinstance(d_v, bool) or not isinstance(d_v, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"d_v must be an int, got {type(d_v).__name__}")
-    d_v = int(d_v)
+    elif isinstance(d_v, numbers.Integral):
+        d_v = int(d_v)
     if not 1 <= d_v <= d_qk:
         raise ValueError(f"d_v must satisfy 1 <= d_v <= d_qk={d_qk}, got d_v={d_v}")
 
-    tl = None
     if topk_length is not None:
         _check_tensor("topk_length", topk_length, f"of shape [s_q]={[s_q]}")
         if topk_length.dim() != 1 or topk_length.shape[0] != s_q:
@@ -145,9 +175,7 @@ def make_problem(
         if topk_length.dtype not in _INDEX_DTYPES:
             raise TypeError(f"topk_length must be int32 or int64, got {topk_length.dtype}")
         _check_device("topk_length", topk_length, device)
-        tl = topk_length.clamp(0, topk).to(torch.int32)
 
-    sink = None
     if attn_sink is not None:
         _check_tensor("attn_sink", attn_sink, f"of shape [h_q]=[{h_q}]")
         if attn_sink.dim() != 1 or attn_sink.shape[0] != h_q:
@@ -155,14 +183,35 @@ def make_problem(
         if not attn_sink.is_floating_point():
             raise TypeError(f"attn_sink must be a floating tensor, got {attn_sink.dtype}")
         _check_device("attn_sink", attn_sink, device)
-        sink = attn_sink.detach().to(compute_dtype(q.dtype))
 
+    return Shapes(s_q, h_q, d_qk, kv.shape[0], indices.shape[-1], d_v, sm_scale)
+
+
+def make_problem(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: Optional[int] = 512,
+    topk_length: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+) -> Problem:
+    """Validate the shared inputs (:func:`check_inputs`) and normalise them into a
+    :class:`Problem` (contiguous, aligned, int32 indices with out-of-range values as -1, clamped
+    ``topk_length``, ``attn_sink`` in the compute dtype)."""
+    sh = check_inputs(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+    s_q, s_kv, d_qk = sh.s_q, sh.s_kv, sh.d_qk
+    idx = indices.reshape(s_q, indices.shape[-1])
+    if idx.dtype == torch.int64:
+        idx = torch.where((idx < 0) | (idx >= s_kv), torch.full_like(idx, -1), idx).to(torch.int32)
+    tl = topk_length.clamp(0, sh.topk).to(torch.int32) if topk_length is not None else None
+    sink = attn_sink.detach().to(compute_dtype(q.dtype)) if attn_sink is not None else None
     return Problem(
         q=_contig(q.detach()),
         kv=_contig(kv.detach().reshape(s_kv, d_qk)),
         indices=_contig(idx),
-        sm_scale=sm_scale,
-        d_v=d_v,
+        sm_scale=sh.sm_scale,
+        d_v=sh.d_v,
         topk_length=_contig(tl) if tl is not None else None,
         attn_sink=_contig(sink) if sink is not None else None,
         kv_shape=kv.shape,
@@ -182,25 +231,27 @@ def _pad_topk(p: Problem, block: int) -> Problem:
     return p.with_indices(idx)
 
 
-def _check_lse(name: str, lse, p: Problem) -> torch.Tensor:
-    _check_tensor(name, lse, f"of shape [s_q, h_q]=[{p.s_q}, {p.h_q}]")
-    if lse.shape != (p.s_q, p.h_q):
-        raise ValueError(f"{name} must have shape [s_q, h_q]=[{p.s_q}, {p.h_q}], got {tuple(lse.shape)}")
+def _check_lse(name: str, lse, s_q: int, h_q: int, device: torch.device) -> None:
+    _check_tensor(name, lse, f"of shape [s_q, h_q]=[{s_q}, {h_q}]")
+    if lse.dim() != 2 or lse.shape[0] != s_q or lse.shape[1] != h_q:
+        raise ValueError(f"{name} must have shape [s_q, h_q]=[{s_q}, {h_q}], got {tuple(lse.shape)}")
     if lse.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"{name} must be float32 (or float64), got {lse.dtype}")
-    _check_device(name, lse, p.device)
-    return _contig(lse.detach().to(compute_dtype(p.dtype)))
+    _check_device(name, lse, device)
 
 
-def _check_like_out(name: str, t, p: Problem) -> torch.Tensor:
-    shape = (p.s_q, p.h_q, p.d_v)
+def _check_like_out(name: str, t, sh: Shapes, dtype: torch.dtype, device: torch.device) -> None:
+    shape = (sh.s_q, sh.h_q, sh.d_v)
     _check_tensor(name, t, f"of shape [s_q, h_q, d_v]={list(shape)}")
-    if tuple(t.shape) != shape:
+    if t.dim() != 3 or tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape [s_q, h_q, d_v]={list(shape)}, got {tuple(t.shape)}")
-    if t.dtype != p.dtype:
-        raise TypeError(f"{name} must have q's dtype {p.dtype}, got {t.dtype}")
-    _check_device(name, t, p.device)
-    return _contig(t.detach())
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have q's dtype {dtype}, got {t.dtype}")
+    _check_device(name, t, device)
+
+
+def _lse_for(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _contig(lse.detach().to(compute_dtype(dtype)))
 
 
 def _empty_fwd(p: Problem):
@@ -251,14 +302,14 @@ def sparse_mla_fwd(
     topk_length: Optional[torch.Tensor] = None,
     attn_sink: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse MLA forward.
+    """Sparse MLA forward (not differentiable: use :func:`mla_kernels.sparse_mla` for training).
 
     Args:
         q: ``[s_q, h_q, d_qk]`` queries.
         kv: ``[s_kv, 1, d_qk]`` or ``[s_kv, d_qk]`` keys; values are ``kv[..., :d_v]``.
         indices: ``[s_q, 1, topk]`` or ``[s_q, topk]`` int32/int64 rows of ``kv`` each query
             attends to; -1, negative or ``>= s_kv`` entries are ignored.
-        sm_scale: softmax scale applied to ``q . k``.
+        sm_scale: softmax scale applied to ``q . k`` (``> 0``).
         d_v: value head dim (``<= d_qk``).
         topk_length: optional ``[s_q]`` int: slots at or beyond it are ignored.
         attn_sink: optional ``[h_q]`` float: per-head sink logit (see module docstring).
@@ -268,6 +319,17 @@ def sparse_mla_fwd(
         the last two float32 (float64 for float64 inputs), natural-log units.  Rows with no
         valid slot give ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
     """
+    if tracing():
+        sh = check_inputs(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+        return tuple(torch.ops.mla_kernels.sparse_mla_fwd(
+            q.detach(), kv.detach(), indices, sh.sm_scale, sh.d_v, topk_length,
+            attn_sink.detach() if attn_sink is not None else None,
+        ))
+    return sparse_mla_fwd_eager(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+
+
+def sparse_mla_fwd_eager(q, kv, indices, sm_scale, d_v=512, topk_length=None, attn_sink=None):
+    """:func:`sparse_mla_fwd`'s body (the ``mla_kernels::sparse_mla_fwd`` op's implementation)."""
     p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
     return fwd_problem(p)
 
@@ -285,7 +347,8 @@ def attn_dist(
 
     ``attn_sum[i, j] = sum_h exp(q[i,h] . kv[indices[i,j]] * sm_scale - lse[i,h])`` for valid
     slots, 0 for invalid slots and empty rows (``lse = +inf`` gives 0, never NaN).  With
-    ``normalize=True`` each row is divided by its sum (all-zero rows stay 0).
+    ``normalize=True`` each row is divided by its sum (all-zero rows stay 0).  Not
+    differentiable.
 
     Args:
         lse: ``[s_q, h_q]`` float32, the forward's log-sum-exp (natural log).
@@ -293,10 +356,22 @@ def attn_dist(
     Returns:
         ``attn_sum [s_q, topk]`` float32 (float64 for float64 inputs), in the caller's slot order.
     """
+    if tracing():
+        sh = check_inputs(q, kv, indices, sm_scale, None, topk_length)
+        _check_lse("lse", lse, sh.s_q, sh.h_q, q.device)
+        _check_flag("normalize", normalize)
+        return torch.ops.mla_kernels.attn_dist(
+            q.detach(), kv.detach(), indices, lse.detach(), sh.sm_scale, topk_length, normalize
+        )
+    return attn_dist_eager(q, kv, indices, lse, sm_scale, topk_length, normalize)
+
+
+def attn_dist_eager(q, kv, indices, lse, sm_scale, topk_length=None, normalize=False):
+    """:func:`attn_dist`'s body (the ``mla_kernels::attn_dist`` op's implementation)."""
     p = make_problem(q, kv, indices, sm_scale, None, topk_length)
-    lse = _check_lse("lse", lse, p)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    _check_lse("lse", lse, p.s_q, p.h_q, p.device)
+    _check_flag("normalize", normalize)
+    lse = _lse_for(lse, p.dtype)
     cdt = compute_dtype(p.dtype)
     if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
         return torch.zeros(p.s_q, p.topk, dtype=cdt, device=p.device)
@@ -333,11 +408,46 @@ def sparse_mla_bwd(
         ``(dq [s_q,h_q,d_qk], dkv (kv's shape), d_attn_sink [h_q] or None)`` -- dq/dkv in q's
         dtype, ``d_attn_sink`` float32 -- plus ``attn_sum`` with ``return_attn_sum``.
     """
+    if tracing():
+        check_bwd_inputs(q, kv, out, dout, indices, lse, sm_scale, d_v, topk_length, attn_sink,
+                         None, deterministic, return_attn_sum)
+        det = lambda t: t.detach() if t is not None else None  # noqa: E731
+        dq, dkv, dsink, asum = torch.ops.mla_kernels.sparse_mla_bwd(
+            det(q), det(kv), det(out), det(dout), indices, det(lse), float(sm_scale), d_v, topk_length,
+            det(attn_sink), deterministic=deterministic, return_attn_sum=return_attn_sum,
+        )
+        res = (dq, dkv, dsink if attn_sink is not None else None)
+        return res + (asum,) if return_attn_sum else res
+    return sparse_mla_bwd_eager(q, kv, out, dout, indices, lse, sm_scale, d_v, topk_length, attn_sink,
+                                deterministic=deterministic, return_attn_sum=return_attn_sum)
+
+
+def check_bwd_inputs(q, kv, out, dout, indices, lse, sm_scale, d_v, topk_length, attn_sink, dlse,
+                     deterministic, return_attn_sum) -> Shapes:
+    """:func:`check_inputs` plus the backward's own arguments (metadata only)."""
+    sh = check_inputs(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+    _check_bwd_args(sh, q.dtype, q.device, out, dout, lse, dlse, deterministic, return_attn_sum)
+    return sh
+
+
+def _check_bwd_args(sh, dtype, device, out, dout, lse, dlse, deterministic, return_attn_sum) -> None:
+    """``sh``: anything with ``s_q``, ``h_q``, ``d_v`` (:class:`Shapes` or a :class:`Problem`)."""
+    _check_like_out("out", out, sh, dtype, device)
+    _check_like_out("dout", dout, sh, dtype, device)
+    _check_lse("lse", lse, sh.s_q, sh.h_q, device)
+    if dlse is not None:
+        _check_lse("dlse", dlse, sh.s_q, sh.h_q, device)
+    _check_flag("deterministic", deterministic)
+    _check_flag("return_attn_sum", return_attn_sum)
+
+
+def sparse_mla_bwd_eager(q, kv, out, dout, indices, lse, sm_scale, d_v=512, topk_length=None, attn_sink=None,
+                         *, dlse=None, deterministic=False, return_attn_sum=False):
+    """:func:`sparse_mla_bwd`'s body (the ``mla_kernels::sparse_mla_bwd`` op's implementation);
+    ``dlse`` is the gradient flowing into the forward's returned ``lse`` (the autograd formula's)."""
     p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
-    out = _check_like_out("out", out, p)
-    dout = _check_like_out("dout", dout, p)
-    lse = _check_lse("lse", lse, p)
-    for name, flag in (("deterministic", deterministic), ("return_attn_sum", return_attn_sum)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    return bwd_problem(p, out, dout, lse, None, deterministic, return_attn_sum)
+    _check_bwd_args(p, p.dtype, p.device, out, dout, lse, dlse, deterministic, return_attn_sum)
+    if dlse is not None:
+        dlse = _lse_for(dlse, p.dtype)
+    return bwd_problem(p, _contig(out.detach()), _contig(dout.detach()), _lse_for(lse, p.dtype), dlse,
+                       deterministic, return_attn_sum)

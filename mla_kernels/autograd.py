@@ -4,6 +4,14 @@ The forward runs the active backend's forward and saves what the backward needs 
 normalised inputs, ``out`` and ``lse``); the backward calls the backend's backward -- nothing of
 the forward is recomputed outside the backward kernel.  The returned ``lse`` is differentiable
 too: its gradient enters the backward as ``delta' = delta - dlse * exp(lse' - lse)``.
+
+Eager calls go straight to :class:`SparseMLA` (no dispatcher cost).  Under ``torch.compile`` /
+``torch.export`` (``torch.compiler.is_compiling()``), :func:`sparse_mla` calls the custom op
+``mla_kernels::sparse_mla_fwd`` instead, whose autograd formula (registered in
+:mod:`mla_kernels.ops`) calls ``mla_kernels::sparse_mla_bwd``: one graph, no break.
+
+The gradients are not differentiable themselves: a double backward (``create_graph=True``
+followed by a backward through the gradients) raises an error naming this op.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .api import bwd_problem, fwd_problem, make_problem
+from .api import _check_flag, bwd_problem, check_inputs, fwd_problem, make_problem, tracing
 from .common.problem import Problem
 
 __all__ = ["SparseMLA", "sparse_mla", "AttnSum"]
@@ -31,6 +39,29 @@ class AttnSum:
         self.value: Optional[torch.Tensor] = None
 
 
+DOUBLE_BACKWARD_ERROR = (
+    "mla_kernels.sparse_mla does not support double backward: its gradients (dq, dkv, "
+    "d_attn_sink) are computed by a backward kernel that has no derivative of its own.  Do not "
+    "differentiate through them (create_graph=True is fine as long as no backward runs through "
+    "sparse_mla's gradients)."
+)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity whose backward raises: attached to gradients computed under ``create_graph=True``
+    so that differentiating through them fails loudly instead of returning a silent zero."""
+
+    @staticmethod
+    def forward(ctx, n_grads, *tensors):
+        # tensors = grads + anchors (the op's differentiable inputs): the anchors make the outputs
+        # part of the graph, so a backward through them reaches this function and raises.
+        return tuple(g.view_as(g) for g in tensors[:n_grads])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
 class SparseMLA(torch.autograd.Function):
     """``out, lse = SparseMLA.apply(q, kv, indices, sm_scale, d_v, topk_length, attn_sink,
     deterministic, attn_sum_holder)``."""
@@ -39,7 +70,7 @@ class SparseMLA(torch.autograd.Function):
     def forward(ctx, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, deterministic, holder):
         p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
         out, _max_logits, lse = fwd_problem(p)
-        ctx.save_for_backward(p.q, p.kv, p.indices, p.topk_length, p.attn_sink, out, lse)
+        ctx.save_for_backward(p.q, p.kv, p.indices, p.topk_length, p.attn_sink, out, lse, q, kv, attn_sink)
         ctx.meta = (p.sm_scale, p.d_v, p.kv_shape, bool(deterministic), holder)
         ctx.sink_dtype = attn_sink.dtype if attn_sink is not None else None
         ctx.set_materialize_grads(False)
@@ -47,7 +78,7 @@ class SparseMLA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, kv, indices, topk_length, attn_sink, out, lse = ctx.saved_tensors
+        q, kv, indices, topk_length, attn_sink, out, lse, *anchors = ctx.saved_tensors
         sm_scale, d_v, kv_shape, deterministic, holder = ctx.meta
         p = Problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, kv_shape)
         if dout is None:
@@ -62,6 +93,12 @@ class SparseMLA(torch.autograd.Function):
             holder.value = res[3]
         if dsink is not None and ctx.sink_dtype is not None:
             dsink = dsink.to(ctx.sink_dtype)
+        anchors = [a for a in anchors if a is not None and a.requires_grad]
+        if torch.is_grad_enabled() and anchors:  # create_graph=True: a second backward must fail loudly
+            grads = [g for g in (dq, dkv, dsink) if g is not None]
+            marked = iter(_NoDoubleBackward.apply(len(grads), *grads, *anchors))
+            dq, dkv = next(marked), next(marked)
+            dsink = next(marked) if dsink is not None else None
         return dq, dkv, None, None, None, None, dsink, None, None
 
 
@@ -89,10 +126,22 @@ def sparse_mla(
         attn_sum: an :class:`AttnSum` holder that receives the attention distribution
             ``[s_q, topk]`` computed by the backward (the DSA indexer's KL target).
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    _check_flag("return_lse", return_lse)
+    _check_flag("deterministic", deterministic)
     if attn_sum is not None and not isinstance(attn_sum, AttnSum):
         raise TypeError(f"attn_sum must be an mla_kernels.AttnSum holder, got {type(attn_sum).__name__}")
+    if tracing():
+        if attn_sum is not None:
+            raise RuntimeError(
+                "sparse_mla(attn_sum=AttnSum()) cannot be used under torch.compile/torch.export: the "
+                "holder is filled by a Python side effect of the backward.  Compute the indexer's target "
+                "with mla_kernels.attn_dist(q, kv, indices, lse, sm_scale) (return_lse=True gives lse)"
+            )
+        sh = check_inputs(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+        out, _max_logits, lse = torch.ops.mla_kernels.sparse_mla_fwd(
+            q, kv, indices, sh.sm_scale, sh.d_v, topk_length, attn_sink, deterministic=deterministic
+        )
+        return (out, lse) if return_lse else out
     out, lse = SparseMLA.apply(
         q, kv, indices, sm_scale, d_v, topk_length, attn_sink, deterministic, attn_sum
     )

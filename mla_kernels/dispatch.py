@@ -2,22 +2,22 @@
 
 Rules:
 
-* CPU tensors always use the reference (with one warning if a kernel backend is forced).
 * ``MLA_KERNELS_BACKEND`` (read at every call): ``auto`` (default), ``reference``, ``sm90`` or
-  ``sm100``.  A forced kernel backend that cannot serve the call raises
-  :class:`BackendUnavailableError` naming the reason; ``reference`` serves everything.
-* ``auto`` picks the kernel backend of the device's compute capability (9.0 -> sm90,
-  10.x -> sm100) when it supports the call's configuration, otherwise the reference with one
-  warning (per distinct reason) saying why.
-* A backend not yet verified on real hardware (``hardware_verified = False``) runs a first-use
-  canary per static configuration: a small problem against the reference.  On a mismatch it is
-  disabled for the process, with a warning, and the reference serves the call.
-  ``MLA_KERNELS_CANARY=0`` turns the canary off.
+  ``sm100``.  ``reference`` serves everything.  A forced kernel backend that cannot serve the
+  call -- CPU tensors, another GPU, an unsupported configuration, a failed first-use check --
+  raises :class:`BackendUnavailableError` naming the reason (forcing means "no silent fallback").
+* ``auto``: CPU tensors use the reference (no warning); CUDA tensors use the kernel backend of
+  the device's compute capability (9.0 -> sm90, 10.x -> sm100) when it supports the call's
+  configuration, otherwise the reference with one warning (per distinct reason) saying why.
+* A backend not yet verified on real hardware (``hardware_verified = False``) passes a first-use
+  check per static configuration before it serves it: a small problem against the reference, run
+  in a child process with a time limit (:mod:`mla_kernels.common.first_use`: a hang, a crash or
+  a wrong answer marks the configuration bad, on disk, with the reason).  A bad configuration is
+  served by the reference with one warning.  ``MLA_KERNELS_CANARY=0`` turns the check off.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import warnings
@@ -26,6 +26,7 @@ from typing import Dict, Optional
 import torch
 
 from . import reference as ref
+from .common import first_use
 from .common.backend import OPS, Backend
 from .common.problem import Problem
 
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 ENV_BACKEND = "MLA_KERNELS_BACKEND"
-ENV_CANARY = "MLA_KERNELS_CANARY"
+ENV_CANARY = first_use.ENV_CHECK
 _CHOICES = ("auto", "reference", "sm90", "sm100")
 
 
@@ -126,8 +127,6 @@ _KERNELS: Dict[str, _LazyBackend] = {
 }
 _lock = threading.Lock()
 _warned: set = set()
-_disabled: Dict[str, str] = {}  # backend name -> why (failed canary)
-_canary_done: Dict[tuple, bool] = {}
 
 
 def register_backend(name: str, backend: Backend) -> None:
@@ -138,11 +137,10 @@ def register_backend(name: str, backend: Backend) -> None:
 
 
 def reset_state() -> None:
-    """Forget warnings, canary results and disabled backends (tests)."""
+    """Forget warnings and in-memory first-use verdicts (tests; verdict files stay on disk)."""
     with _lock:
         _warned.clear()
-        _disabled.clear()
-        _canary_done.clear()
+    first_use.forget()
     _KERNELS["sm90"] = _LazyBackend("sm90", "mla_kernels.sm90")
     _KERNELS["sm100"] = _LazyBackend("sm100", "mla_kernels.sm100")
 
@@ -194,91 +192,45 @@ def backend_for(device) -> str:
     """The backend ``auto`` dispatch uses on ``device`` for a configuration it supports:
     ``"sm90"`` (compute capability 9.0), ``"sm100"`` (10.x) or ``"reference"``.
 
-    Honours ``MLA_KERNELS_BACKEND`` when set to a specific backend.  Whether a given call's
-    configuration (head count, head dim, dtype ...) is served by that kernel is decided per call;
-    an unsupported call falls back to the reference with a warning.
+    Honours ``MLA_KERNELS_BACKEND``: ``reference`` gives ``"reference"``; a forced kernel backend
+    gives its name on a device it runs on and raises :class:`BackendUnavailableError` on any other
+    device (as a call there would).  Whether a given call's configuration (head count, head dim,
+    dtype ...) is served by that kernel is decided per call; under ``auto`` an unsupported call
+    falls back to the reference with a warning.
     """
     device = torch.device(device)
     choice = _requested()
-    if choice != "auto":
-        return choice if device.type == "cuda" or choice == "reference" else "reference"
     arch = _arch_of(device)
+    if choice != "auto":
+        if choice != "reference" and choice != arch:
+            raise BackendUnavailableError(f"{ENV_BACKEND}={choice} cannot serve {_device_words(device, arch)}")
+        return choice
     if arch is None:
         return "reference"
     lb = _KERNELS[arch]
     obj = lb.get()
-    if obj is None or arch in _disabled or obj.unavailable_reason(device) is not None:
+    if obj is None or obj.unavailable_reason(device) is not None:
         return "reference"
     return arch
 
 
-def _canary_ok(backend: Backend, op: str, p: Problem) -> bool:
-    """Run ``backend`` on a small problem of ``p``'s static configuration against the reference."""
-    key = (backend.name,) + backend.config_key(op, p)
-    with _lock:
-        if key in _canary_done:
-            return _canary_done[key]
-    ok, why = _run_canary(backend, op, p)
-    with _lock:
-        _canary_done[key] = ok
-        if not ok:
-            _disabled[backend.name] = why
-    if not ok:
-        _warn_once(
-            f"mla_kernels: backend {backend.name} failed its first-use check for {op} "
-            f"({why}); it is disabled for this process and the reference serves the calls"
-        )
-    return ok
+def _device_words(device: torch.device, arch: Optional[str]) -> str:
+    if not _is_cuda(device):
+        return f"tensors on {device} (kernel backends run on CUDA tensors; use the reference or auto)"
+    return f"this device ({arch or 'not an sm90/sm100 GPU'})"
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a = a.double()
-    b = b.double()
-    fin = torch.isfinite(b)
-    if not torch.equal(torch.isfinite(a), fin) or not torch.equal(a[~fin], b[~fin]):
-        return math.inf
-    num = (a[fin] - b[fin]).norm().item()
-    den = b[fin].norm().item()
-    return num / max(den, 1e-30)
-
-
-def _run_canary(backend: Backend, op: str, p: Problem):
-    g = torch.Generator(device="cpu").manual_seed(1234)
-    s_q, s_kv, topk = 5, 300, max(2 * backend.topk_block, 128)
-    dev, dt = p.device, p.dtype
-    q = (torch.randn(s_q, p.h_q, p.d_qk, generator=g) * 0.5).to(dev, dt)
-    kv = (torch.randn(s_kv, p.d_qk, generator=g) * 0.5).to(dev, dt)
-    idx = torch.randint(-8, s_kv + 8, (s_q, topk), generator=g).to(dev, torch.int32)
-    tl = None
-    if p.topk_length is not None:
-        tl = torch.tensor([topk, 0, 7, topk // 2, topk - 3], dtype=torch.int32).to(dev)
-    sink = None
-    if p.attn_sink is not None:
-        sink = torch.randn(p.h_q, generator=g).to(dev, p.attn_sink.dtype)
-    small = Problem(q, kv, idx, p.sm_scale, p.d_v, tl, sink, kv.shape)
-    try:
-        if op == "fwd":
-            got = backend.fwd(small)
-            want = _REFERENCE.fwd(small)
-            errs = [_rel_err(got[0], want[0]), _rel_err(got[2], want[2])]
-            tol = [2e-2, 1e-4]
-        elif op == "attn_dist":
-            _, _, lse = _REFERENCE.fwd(small)
-            got = backend.attn_dist(small, lse.float(), False)
-            want = _REFERENCE.attn_dist(small, lse.float(), False)
-            errs, tol = [_rel_err(got, want)], [1e-2]
-        else:
-            out, _, lse = _REFERENCE.fwd(small)
-            dout = torch.randn(out.shape, generator=g).to(dev, dt)
-            got = backend.bwd(small, out, dout, lse.float())
-            want = _REFERENCE.bwd(small, out, dout, lse.float())
-            errs, tol = [_rel_err(got[0], want[0]), _rel_err(got[1], want[1])], [3e-2, 3e-2]
-    except Exception as e:  # a crash is a failed canary, not a crash of the user's call
-        return False, f"raised {type(e).__name__}: {e}"
-    bad = [(e, t) for e, t in zip(errs, tol) if not e <= t]
-    if bad:
-        return False, f"relative error {bad[0][0]:.3g} > {bad[0][1]:.0e}"
-    return True, ""
+def _first_use_ok(backend: Backend, op: str, p: Problem) -> Optional[str]:
+    """None if ``backend`` may serve ``p``'s configuration, else why not (warned once)."""
+    ok, why, path = first_use.check(backend, op, p, _REFERENCE)
+    if ok:
+        return None
+    where = f"; verdict in {path} (delete it to check again)" if path else ""
+    _warn_once(
+        f"mla_kernels: the {backend.name} {op} kernel for this configuration failed its first-use check "
+        f"({why}); the PyTorch reference serves it{where}"
+    )
+    return f"failed its first-use check ({why})"
 
 
 def select(op: str, p: Problem) -> Backend:
@@ -286,12 +238,11 @@ def select(op: str, p: Problem) -> Backend:
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
     choice = _requested()
-    if choice == "reference" or not _is_cuda(p.device):
-        if choice in ("sm90", "sm100"):
-            _warn_once(
-                f"mla_kernels: {ENV_BACKEND}={choice} but the inputs are on {p.device}; CPU tensors "
-                f"always use the PyTorch reference"
-            )
+    if choice == "reference":
+        return _REFERENCE
+    if not _is_cuda(p.device):
+        if choice != "auto":
+            raise BackendUnavailableError(f"{ENV_BACKEND}={choice} cannot serve {_device_words(p.device, None)}")
         return _REFERENCE
     arch = _arch_of(p.device)
     name = choice if choice != "auto" else arch
@@ -311,16 +262,13 @@ def select(op: str, p: Problem) -> Backend:
         backend = lb.get()
         if backend is None:
             reason = lb.error
-        elif name in _disabled:
-            reason = f"disabled after a failed first-use check ({_disabled[name]})"
         else:
             reason = backend.unavailable_reason(p.device) or backend.supports(op, p)
-    if reason is None and not backend.hardware_verified and os.environ.get(ENV_CANARY, "1") != "0":
-        if not _canary_ok(backend, op, p):  # warned there
+    if reason is None and not backend.hardware_verified and first_use.enabled():
+        failed = _first_use_ok(backend, op, p)  # warned there
+        if failed:
             if choice != "auto":
-                raise BackendUnavailableError(
-                    f"{ENV_BACKEND}={choice} failed its first-use check: {_disabled.get(name)}"
-                )
+                raise BackendUnavailableError(f"{ENV_BACKEND}={choice}: the {op} kernel {failed}")
             return _REFERENCE
     if reason is None:
         return backend

@@ -100,6 +100,12 @@ def scatter_add_rows(dst: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, 
         dst.index_add_(0, r[sel], v[sel])
 
 
+def _check_scale(sm_scale) -> None:
+    # The kernels fold a positive scale into exp2; the oracle holds every path to the same rule.
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a finite number > 0, got {sm_scale!r}")
+
+
 def effective_lse(lse: torch.Tensor, attn_sink: Optional[torch.Tensor]) -> torch.Tensor:
     """``log(exp(lse) + exp(sink))`` per ``[s_q, h_q]``: the normaliser that ``out`` really uses.
 
@@ -127,6 +133,7 @@ def sparse_mla_fwd_ref(
 
     ``max_logits`` and ``lse`` are ``[s_q, h_q]`` in float32 (float64 for float64 inputs).
     """
+    _check_scale(sm_scale)
     kv2 = _as_2d_kv(kv)
     idx2 = _as_2d_indices(indices)
     s_q, h_q, d_qk = q.shape
@@ -177,6 +184,7 @@ def attn_dist_ref(
     Invalid slots and empty rows give 0; ``lse = +inf`` contributes 0.  With ``normalize`` each
     row is divided by its sum (rows summing to 0 stay 0).  float32 (float64 for float64 inputs).
     """
+    _check_scale(sm_scale)
     kv2 = _as_2d_kv(kv)
     idx2 = _as_2d_indices(indices)
     s_q, h_q, d_qk = q.shape
@@ -236,6 +244,7 @@ def sparse_mla_bwd_ref(
     without a sink -- and, with ``return_attn_sum``, a fourth item ``attn_sum [s_q, topk]``
     (``sum_h exp(s - lse)``, the attention-distribution target).
     """
+    _check_scale(sm_scale)
     kv_shape = kv.shape
     kv2 = _as_2d_kv(kv)
     idx2 = _as_2d_indices(indices)

@@ -76,6 +76,19 @@ def _hang_guard(request):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Compiled kernels and first-use verdicts go to a directory of this test session, never to
+    the user's cache (``MLA_KERNELS_CACHE_DIR``)."""
+    old = os.environ.get("MLA_KERNELS_CACHE_DIR")
+    os.environ["MLA_KERNELS_CACHE_DIR"] = str(tmp_path_factory.mktemp("mla_kernels_cache"))
+    yield
+    if old is None:
+        os.environ.pop("MLA_KERNELS_CACHE_DIR", None)
+    else:
+        os.environ["MLA_KERNELS_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dispatch_state(monkeypatch):
     """Each test starts with no cached warnings/canary results and poisoned kernel outputs."""
@@ -122,7 +135,7 @@ def make_case(
     rows, optional topk_length (with zeros) and optional sink ("finite" or "neginf").
 
     Values follow FlashMLA's test distribution by default (``randn * 0.1`` + an offset), the one
-    the tolerances of DESIGN.md were set for; ``scale``/``kv_scale`` make harder cases."""
+    the tolerances of docs/METHOD.md were set for; ``scale``/``kv_scale`` make harder cases."""
     g = torch.Generator(device="cpu")
     g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
@@ -183,7 +196,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_close_fwd(out, max_logits, lse, ref, *, empty: torch.Tensor, rtol_l2=1e-2, lse_rtol=1e-5,
                      abs_tol=8e-4, logit_scale=1.0):
-    """The forward tolerances of DESIGN.md (``ref`` computed in float32, ``out`` not rounded):
+    """The forward tolerances of docs/METHOD.md (``ref`` computed in float32, ``out`` not rounded):
     rel L2 <= 1e-2, |err| <= abs_tol + 2.5e-2 |ref| elementwise, lse/max_logits relative <= 1e-5;
     empty rows exact; no NaN anywhere.  ``abs_tol`` is 8e-4 for values of FlashMLA's scale
     (|v| ~ 0.1); tests with larger values scale it with |v| (P is rounded to bf16 before P.V,
@@ -229,7 +242,7 @@ def bwd_fwd_ref(case):
 def run_bwd_and_check(case, monkeypatch, backend: str, *, deterministic=False, attn_sum=False, dout_scale=0.1,
                       seed=0, dq_abs=None):
     """``sparse_mla_bwd`` forced onto ``backend`` vs the float32 reference backward, on the
-    reference forward's outputs; every tolerance of DESIGN.md, exact zeros for empty rows and
+    reference forward's outputs; every tolerance of docs/METHOD.md, exact zeros for empty rows and
     unreferenced kv rows, no NaN.  Returns the backend's outputs.
 
     ``dq_abs``: compare dq by max abs error instead (problems where dq is 0 up to rounding,

@@ -119,13 +119,19 @@ def test_forced_reference_and_bad_env(gpu_like, monkeypatch):
         mk.sparse_mla_fwd(*_case_args())
 
 
-def test_forced_kernel_on_cpu_tensors_uses_reference_and_warns(monkeypatch):
+def test_forced_kernel_on_cpu_tensors_raises_as_the_readme_says(monkeypatch):
     args = _case_args()
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
-    with pytest.warns(RuntimeWarning, match="CPU tensors always use the PyTorch reference"):
-        out, _, _ = mk.sparse_mla_fwd(*args)
+    with pytest.raises(mk.BackendUnavailableError, match="MLA_KERNELS_BACKEND=sm90 cannot serve tensors on cpu"):
+        mk.sparse_mla_fwd(*args)
+    with pytest.raises(mk.BackendUnavailableError, match="cannot serve tensors on cpu"):
+        mk.backend_for("cpu")
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "reference")
-    torch.testing.assert_close(out, mk.sparse_mla_fwd(*args)[0])
+    out, _, _ = mk.sparse_mla_fwd(*args)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto on CPU: the reference, silently
+        torch.testing.assert_close(out, mk.sparse_mla_fwd(*args)[0])
 
 
 def test_bwd_without_kernel_falls_back(gpu_like):
@@ -136,19 +142,22 @@ def test_bwd_without_kernel_falls_back(gpu_like):
         mk.sparse_mla_bwd(c.q, c.kv, out, torch.randn_like(out), c.indices, lse, c.sm_scale, 8)
 
 
-def test_canary_disables_a_wrong_unverified_backend(gpu_like):
+def test_canary_marks_a_wrong_configuration_bad(gpu_like):
     fake = FakeKernel(wrong=True, verified=False)
     dispatch.register_backend("sm90", fake)
     c = _case()
-    with pytest.warns(RuntimeWarning, match="failed its first-use check"):
+    with pytest.warns(RuntimeWarning, match="failed its first-use check .wrong answer"):
         out, _, _ = mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
     ref_out = dispatch.get_backend("reference").fwd(mk.api.make_problem(c.q, c.kv, c.indices, c.sm_scale, 8))[0]
     torch.testing.assert_close(out, ref_out)  # the reference served the call
     n = len(fake.calls)
-    mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
-    mk.attn_dist(c.q, c.kv, c.indices, torch.zeros(3, 4), c.sm_scale)
-    assert len(fake.calls) == n  # disabled for the process, every op
-    assert mk.backend_for("cpu") == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per configuration, not per call
+        mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, 8)
+    assert len(fake.calls) == n  # that configuration is not checked again nor served
+    # another op is another configuration: checked on its own
+    with pytest.warns(RuntimeWarning, match="attn_dist kernel for this configuration failed"):
+        mk.attn_dist(c.q, c.kv, c.indices, torch.zeros(3, 4), c.sm_scale)
 
 
 def test_canary_passes_a_correct_unverified_backend(gpu_like, monkeypatch):

@@ -136,6 +136,11 @@ def test_cpu_dispatch_uses_reference(monkeypatch):
     p = make_indexer_problem(*good().values())
     for op in ("indexer_logits", "indexer_topk"):
         assert dispatch.select(op, p).name == "reference"
+    # a forced kernel backend never falls back silently: CPU tensors raise
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
-    with pytest.warns(RuntimeWarning, match="CPU tensors always use the PyTorch reference"):
-        assert dispatch.select("indexer_topk", p).name == "reference"
+    with pytest.raises(dispatch.BackendUnavailableError):
+        dispatch.select("indexer_topk", p)
+    with pytest.raises(dispatch.BackendUnavailableError):
+        mk.indexer_topk(*good().values(), 3)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "reference")
+    assert dispatch.select("indexer_loss_fwd", p).name == "reference"

@@ -752,7 +752,7 @@ def test_sync_protocol_model_catches_faults(fault):
 
 FWD_KERNELS = {  # name: (d_qk, sink, 2-CTA)
     "sm100_fwd_d576_h64": (576, False, False),
-    "sm100_fwd_d576_h128_topklen_sink": (576, True, True),
+    "sm100_fwd_d576_h128_2cta_topklen_sink": (576, True, True),
     "sm100_fwd_d512_h64": (512, False, False),
     "sm100_fwd_d576_h128_2cta": (576, False, True),
     "sm100_fwd_d512_h256_2cta": (512, False, True),

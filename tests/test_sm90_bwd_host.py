@@ -87,3 +87,51 @@ def test_backend_serves_bwd_only_for_kernel_shapes():
     assert "d_v" in BACKEND.supports("bwd", prob(d_v=256))
     assert "h_q" in BACKEND.supports("bwd", prob(h_q=32))
     assert "d_qk" in BACKEND.supports("bwd", prob(d_qk=256, d_v=256))
+
+
+def test_scatter_workspace_column_order_round_trips():
+    """The sm90 backward's scatter (``bwd._Scatter.chunk``), emulated lane by lane for one warp of a
+    64 x 64 dKV chunk: the wgmma fragment (lane ``4 r8 + q`` holds columns ``8g + 2q``, ``+1`` of
+    rows ``r8``, ``r8 + 8``), the xor-4 shuffle, the two 16-byte stores per (row half, 32-column
+    line); every workspace element is written exactly once, each warp store covers 4 whole
+    128-byte rows, and ``bwd_host.natural_columns`` with ``WS_COL_PERM`` restores the chunk."""
+    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+    from mla_kernels.sm90 import bwd
+
+    chunk = torch.randn(16, 64)  # the 16 rows of one warp, natural column order
+    ws = torch.full((16, 64), float("nan"))
+    writes = torch.zeros(16, 64, dtype=torch.int32)
+
+    def frag(lane, row, g, v):  # the fragment value of lane at (row half, group, column pair elem)
+        r8, q = lane // 4, lane % 4
+        return chunk[r8 + 8 * row, 8 * g + 2 * q + v]
+
+    for rh in range(2):
+        for ln in range(2):
+            sends, a0s, a1s = {}, {}, {}
+            for lane in range(32):
+                a0s[lane] = [frag(lane, rh, 4 * ln + g, v) for g in (0, 1) for v in (0, 1)]
+                a1s[lane] = [frag(lane, rh, 4 * ln + 2 + g, v) for g in (0, 1) for v in (0, 1)]
+                odd = (lane // 4) & 1
+                sends[lane] = [a0s[lane][e] if odd else a1s[lane][e] for e in range(4)]
+            for store in range(2):
+                rows_of_instr = {}
+                for lane in range(32):
+                    r8, q = lane // 4, lane % 4
+                    odd = r8 & 1
+                    recv = sends[lane ^ 4]
+                    data = ([recv[e] if odd else a0s[lane][e] for e in range(4)] if store == 0
+                            else [a1s[lane][e] if odd else recv[e] for e in range(4)])
+                    row = (r8 & 6) + 8 * rh + store
+                    col = 32 * ln + 16 * odd + 4 * q
+                    ws[row, col:col + 4] = torch.tensor(data)
+                    writes[row, col:col + 4] += 1
+                    rows_of_instr.setdefault(row, set()).update(range(col, col + 4))
+                # one warp instruction: 4 rows, each a whole 32-float (128-byte) line
+                assert len(rows_of_instr) == 4
+                assert all(cols == set(range(32 * ln, 32 * ln + 32)) for cols in rows_of_instr.values())
+    assert (writes == 1).all()
+    assert torch.equal(bwd_host.natural_columns(ws, bwd.WS_COL_PERM), chunk)
+    assert bwd.SparseMlaBwdSm90.ws_col_perm == bwd.WS_COL_PERM
+    assert sorted(bwd.WS_COL_PERM) == list(range(16))
+    assert bwd_host.natural_columns(ws, None) is ws

@@ -1,10 +1,15 @@
-"""The benchmark tool's CPU path (the README's main job on a machine without a GPU)."""
+"""The tools on the CPU: bench.py (the README's main job without a GPU: argument errors, progress,
+the per-op tables, families from tools/bench_<family>.py, --plot) and compile_report.py's CLI."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import sys
+import textwrap
+
+import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -12,6 +17,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 def load(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -21,9 +27,107 @@ def test_bench_quick_on_cpu(tmp_path, capsys):
     out = tmp_path / "b.json"
     bench.main(["--quick", "--cpu", "--reps", "20", "--warmup", "1", "--sets", "2", "--json", str(out)])
     text = capsys.readouterr().out
-    assert "CPU PyTorch reference only" in text
+    assert "CPU PyTorch reference only" in text and "GFLOP/s" in text and "not the kernels" in text
+    assert "[  1 " in text and "shape 1/2] quick-a fwd reference" in text  # progress lines
     data = json.loads(out.read_text())
     ops = {(r["shape"], r["op"]) for r in data["rows"]}
     assert ops == {(s, o) for s in ("quick-a", "quick-b") for o in ("fwd", "attn_dist", "bwd")}
-    assert all(r["tflops"] > 0 and r["reps"] >= 20 for r in data["rows"])
+    assert all(r["impl"] == "reference" and r["ms"] > 0 and r["reps"] >= 20 for r in data["rows"])
+    assert data["meta"]["what"].startswith("PyTorch reference on the CPU")
     assert bench.flops("fwd", 4096, 128, 2048, 576, 512) == 2.0 * 4096 * 128 * 2048 * 1088
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--ops", "bogus"], "unknown op 'bogus'; choose from: fwd, attn_dist, bwd, bwd_det"),
+    (["--ops", "fwd,nope"], "unknown op 'nope'"),
+    (["--shapes", "bogus"], "unknown shape 'bogus'; choose from: v32-h128-kv8k"),
+    (["--reps", "5"], "--reps must be >= 20"),
+])
+def test_bench_argument_errors_list_the_choices(argv, words, capsys):
+    bench = load("bench")
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_help_documents_every_option(capsys):
+    bench = load("bench")
+    ap = bench.build_parser({})
+    for action in ap._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "bench_<family>.py" in capsys.readouterr().out
+
+
+FAMILY = textwrap.dedent('''
+    DESCRIPTION = "fake decode rows"
+    SHAPES = ("fake-b1", "fake-b64")
+
+    def bench_rows(ctx):
+        rows = []
+        for k, shape in enumerate(SHAPES):
+            if not ctx.wants(shape):
+                continue
+            med, times = ctx.time(lambda i: sum(range(100)))
+            assert med >= 0 and len(times) == ctx.reps
+            ctx.progress(f"{shape} timed")
+            for j, impl in enumerate(("ours", "flashmla", "cudnn", "reference")):
+                rows.append(dict(op="decode", shape=shape, impl=impl, ms=1.0 + k + j, flops=2e9 * (4 - j),
+                                 extra_key=j))
+        return rows
+''')
+
+
+def test_bench_picks_up_family_modules_and_plots(tmp_path, capsys):
+    bench = load("bench")
+    (tmp_path / "bench_fake.py").write_text(FAMILY)
+    png, js = tmp_path / "b.png", tmp_path / "b.json"
+    rows = bench.main(["--cpu", "--ops", "fake,fwd", "--shapes", "fake-b64,quick-a", "--reps", "20", "--warmup", "0",
+                       "--sets", "1", "--plot", str(png), "--json", str(js)], family_dirs=[tmp_path])
+    text = capsys.readouterr().out
+    fam = [r for r in rows if r["op"] == "decode"]
+    assert {r["shape"] for r in fam} == {"fake-b64"} and len(fam) == 4 and fam[0]["family"] == "fake"
+    assert "fake-b64 timed" in text
+    table = text[text.index("decode: ms / GFLOP/s"):]
+    header = table.splitlines()[1]
+    assert header.index("ours") < header.index("flashmla") < header.index("cudnn") < header.index("reference")
+    assert {r["shape"] for r in rows if r["op"] == "fwd"} == {"quick-a"}
+    assert png.exists() and png.stat().st_size > 10_000
+    assert json.loads(js.read_text())["rows"][-1]["extra_key"] == 3
+    # a family's choices appear in the parser
+    ap = bench.build_parser(bench.load_families([tmp_path]))
+    assert "fake: fake decode rows" in ap.format_help().replace("\n", " ").replace("  ", " ") or "fake" in ap.format_help()
+
+
+def test_bench_rejects_malformed_family_rows(tmp_path):
+    bench = load("bench")
+    (tmp_path / "bench_bad.py").write_text("def bench_rows(ctx):\n    return [dict(op='x', shape='s')]\n")
+    with pytest.raises(ValueError, match=r"bench_bad.py returned a row without \['impl', 'ms'\]"):
+        bench.main(["--cpu", "--ops", "bad", "--reps", "20"], family_dirs=[tmp_path])
+
+
+def test_flashmla_anchor_output_parsing():
+    bench = load("bench")
+    text = "FlashMLA sparse prefill\n4096 32768 2048 128 4.210 555.1 4.182\n64 32768 2048 64 0.1 1.0 0.09\n"
+    assert bench.parse_anchor_line(text, (4096, 32768, 2048, 128)) == 4.182
+    assert bench.parse_anchor_line(text, (64, 32768, 2048, 64)) == 0.09
+    assert bench.parse_anchor_line(text, (1, 2, 3, 4)) is None
+    assert bench.parse_anchor_line("garbage line here x y z w", (1, 2, 3, 4)) is None
+
+
+def test_compile_report_cli_errors_and_no_nvdisasm(capsys, monkeypatch):
+    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed")
+    cr = load("compile_report")
+    with pytest.raises(SystemExit) as e:
+        cr.main(["--arch", "sm_90a", "--only", "bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unknown kernel 'bogus'" in err and "sm90_fwd_d576_h128" in err
+    with pytest.raises(SystemExit):
+        cr.main(["--arch", "sm_80"])
+    assert "invalid choice" in capsys.readouterr().err
+    monkeypatch.setattr(cr, "find_nvdisasm", lambda: None)
+    recs = cr.run("sm_90a", only={"probe"})
+    out = capsys.readouterr().out
+    assert recs[0]["sass"] is None
+    assert "SASS: n/a (nvdisasm not installed)" in out and "HGMMA" not in out.split("probe", 1)[1]

@@ -136,3 +136,31 @@ def test_topk_length_is_clamped():
     torch.testing.assert_close(a[0], b[0])
     c = mk.sparse_mla_fwd(q, kv, idx, 0.3, DV, topk_length=torch.full((S_Q,), -5, dtype=torch.int32))
     assert (c[0] == 0).all() and torch.isposinf(c[2]).all()
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3, -math.inf])
+def test_nonpositive_sm_scale_is_rejected_by_every_op(scale):
+    q, kv, idx = good()
+    out, _, lse = mk.sparse_mla_fwd(q, kv, idx, 0.3, DV)
+    calls = [
+        lambda: mk.sparse_mla_fwd(q, kv, idx, scale, DV),
+        lambda: mk.attn_dist(q, kv, idx, lse, scale),
+        lambda: mk.sparse_mla_bwd(q, kv, out, out, idx, lse, scale, DV),
+        lambda: mk.sparse_mla(q, kv, idx, scale, DV),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="sm_scale must be"):
+            call()
+    from mla_kernels import reference as ref
+
+    for call in (lambda: ref.sparse_mla_fwd_ref(q, kv, idx, scale, DV),
+                 lambda: ref.attn_dist_ref(q, kv, idx, lse, scale),
+                 lambda: ref.sparse_mla_bwd_ref(q, kv, out, out, idx, lse, scale, DV)):
+        with pytest.raises(ValueError, match="sm_scale must be a finite number > 0"):
+            call()
+
+
+def test_sparse_mla_checks_deterministic_type_before_running():
+    q, kv, idx = good()
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        mk.sparse_mla(q.requires_grad_(), kv, idx, 0.3, DV, deterministic="x")

@@ -3,12 +3,18 @@
 
   python tools/compile_report.py --arch sm_90a [--json FILE] [--only NAME,...]
 
+Kernel names say the static configuration: ``<arch>_<op>_d<d_qk>_h<h_q>`` then ``_1cta`` /
+``_2cta`` (which sm100 kernel: one CTA per 64 heads, or 2-CTA clusters of 128 heads), ``_topklen``,
+``_sink``, ``_asum`` (attn_sum fused in the backward), ``_det`` (deterministic), ``_dlse``,
+``_norm`` (normalised attn_dist), ``_heads``/``_tokens`` (the sm90 attn_dist mode).
+
 Per kernel: ``name``, ``arch``, ``registers``, ``spill_bytes`` (stores + loads), ``stack_bytes``,
 ``smem_bytes`` (dynamic smem of the launch), ``sass`` (instruction counts by full opcode, the
 modifiers kept: ``HGMMA.64x64x16.F32.BF16``, ``UTMALDG.3D``, ``UTCHMMA.2CTA`` ...) and
 ``sass_base`` (counts by mnemonic: ``HGMMA``, ``UTMALDG``, ``LDGSTS``, ``BAR`` ...).
 Registers/spills come from ptxas's report (compile option ``remarks{ptx}``); SASS from
-``nvdisasm`` (package ``nvidia-cuda-nvdisasm``; without it ``sass`` is null).
+``nvdisasm`` (package ``nvidia-cuda-nvdisasm``, installed by the ``test`` extra; without it ``sass``
+is null and the printed line says ``SASS: n/a (nvdisasm not installed)``).
 Every arch also reports the infrastructure probe kernel, which proves the pipeline
 (DSL -> PTX -> cubin -> SASS) works for it.  The sm_100a/sm_103a kernels are proven by this
 report only (no Blackwell GPU has run them).
@@ -56,6 +62,7 @@ def kernels_for(arch):
             ("sm90_bwd_d576_h128_det", lambda a, **kw: compile_bwd(576, 128, False, deterministic=True, arch=a, **kw)),
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
+            ("segment_sum_d576_bf16", lambda a, **kw: compile_segment_sum(576, a, bf16_rows=True, **kw)),
         ] + indexer_kernels() + [
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
@@ -66,7 +73,7 @@ def kernels_for(arch):
 
         return [
             ("sm100_fwd_d576_h64", lambda a, **kw: sm100_fwd(576, 64, False, False, a, **kw)),
-            ("sm100_fwd_d576_h128_topklen_sink", lambda a, **kw: sm100_fwd(576, 128, True, True, a, **kw)),
+            ("sm100_fwd_d576_h128_2cta_topklen_sink", lambda a, **kw: sm100_fwd(576, 128, True, True, a, **kw)),
             ("sm100_fwd_d512_h64", lambda a, **kw: sm100_fwd(512, 64, False, False, a, **kw)),
             ("sm100_fwd_d576_h128_2cta", lambda a, **kw: sm100_fwd(576, 128, False, False, a, **kw)),
             ("sm100_fwd_d512_h256_2cta", lambda a, **kw: sm100_fwd(512, 256, False, False, a, **kw)),
@@ -213,10 +220,12 @@ def run(arch, only=None, json_path=None, quiet=False):
         recs.append(report_one(name, builder, arch, nvdisasm))
         if not quiet:
             r = recs[-1]
-            sb = r["sass_base"] or {}
-            key = {k: sb.get(k, 0) for k in KEY_OPS}
-            print(f"{r['name']:<40} {arch} regs={r['registers']} spill={r['spill_bytes']}B "
-                  f"smem={r['smem_bytes']}B {r['compile_seconds']}s  {key}")
+            if r["sass_base"] is None:
+                sass = "SASS: n/a (nvdisasm not installed)"
+            else:
+                sass = str({k: r["sass_base"].get(k, 0) for k in KEY_OPS})
+            print(f"{r['name']:<44} {arch} regs={r['registers']} spill={r['spill_bytes']}B "
+                  f"smem={r['smem_bytes']}B {r['compile_seconds']}s  {sass}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(recs, f, indent=1)
@@ -227,11 +236,21 @@ def run(arch, only=None, json_path=None, quiet=False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", required=True, choices=ARCHES)
-    ap.add_argument("--json", default="", help="write the records as a JSON list to this file")
-    ap.add_argument("--only", default="", help="comma-separated kernel names")
+    ap.add_argument("--arch", required=True, choices=ARCHES, help="target architecture")
+    ap.add_argument("--json", default="", metavar="FILE", help="write the records as a JSON list to this file")
+    ap.add_argument("--only", default="", metavar="NAME[,NAME...]",
+                    help="comma-separated kernel names of --arch (default: all; an unknown name is an error "
+                         "that lists the names)")
     args = ap.parse_args(argv)
-    run(args.arch, set(args.only.split(",")) if args.only else None, args.json or None)
+    only = None
+    if args.only:
+        names = [n for n, _ in kernels_for(args.arch)]
+        only = {n.strip() for n in args.only.split(",") if n.strip()}
+        bad = sorted(only - set(names))
+        if bad or not only:
+            ap.error(f"unknown kernel {', '.join(map(repr, bad)) or repr(args.only)} for {args.arch}; "
+                     f"choose from: {', '.join(names)}")
+    run(args.arch, only, args.json or None)
 
 
 if __name__ == "__main__":

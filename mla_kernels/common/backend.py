@@ -29,8 +29,12 @@ class Backend:
     #: The API pads ``topk`` with -1 slots to a multiple of this before calling the backend.
     topk_block: int = 1
     #: False for kernels proven only by compilation (no hardware run yet): dispatch then runs a
-    #: first-use canary against the reference for each new configuration.
+    #: first-use check against the reference for each new configuration
+    #: (:mod:`mla_kernels.common.first_use`).
     hardware_verified: bool = True
+    #: ``"module:attribute"`` from which a child process imports this backend to run its
+    #: first-use check (None: the check runs in the calling process, unprotected from a hang).
+    import_spec: Optional[str] = None
 
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         """None if this backend can run on ``device`` at all, else why not."""
@@ -41,7 +45,7 @@ class Backend:
         return f"{self.name} does not implement {op}"
 
     def config_key(self, op: str, p: Problem) -> tuple:
-        """The static configuration a call compiles for (used by the first-use canary)."""
+        """The static configuration a call compiles for (the first-use check's key)."""
         return (op, p.h_q, p.d_qk, p.d_v, p.dtype, p.topk_length is not None, p.attn_sink is not None)
 
     # -- ops -----------------------------------------------------------------------------------

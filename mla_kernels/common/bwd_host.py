@@ -16,9 +16,12 @@ without a sink; ``+inf`` on empty rows):
 
 dKV: the default kernel adds every slot's row into a float32 ``[s_kv, d_qk]`` workspace with
 16-byte float atomics (fast; the order of additions, hence the last bits, varies from run to run);
-one ``.to(bfloat16)`` converts it.  ``deterministic=True`` runs the same kernel writing each
+one ``.to(bfloat16)`` converts it (and :func:`natural_columns` undoes the kernel's column order
+within 16-column groups when the kernel declares one, ``ws_col_perm``).  ``deterministic=True`` runs the same kernel writing each
 (token, head block, slot) row to its own workspace row instead (head block: 64 heads, or 128 for a
-kernel whose ``ws_row_heads`` says so -- the sm100 2-CTA kernel) (no atomics), in waves of tokens
+kernel whose ``ws_row_heads`` says so -- the sm100 2-CTA kernel; float32 rows, or bfloat16 for a
+kernel whose ``det_ws_dtype`` says so -- the sm90 kernel: each contribution rounded to bf16 once,
+the fixed-order sum in float32, half the traffic) (no atomics), in waves of tokens
 bounded by :data:`DET_WORKSPACE_BYTES`; the rows are then summed per kv row in a fixed order
 (stable sort by kv index, then :class:`~mla_kernels.common.segment_sum.SegmentSum`: one CTA per
 kv row adding its rows in sorted order) and added to the float32 accumulator wave by wave.  Its
@@ -38,7 +41,8 @@ from ..reference import effective_lse, valid_mask
 
 LOG2E = math.log2(math.e)
 B_H = 64
-#: Upper bound of the deterministic mode's per-wave workspace (the wave's slot rows in float32).
+#: Upper bound of the deterministic mode's per-wave workspace (the wave's slot rows, float32 or --
+#: for a kernel whose ``det_ws_dtype`` says so, the sm90 one -- bfloat16).
 DET_WORKSPACE_BYTES = 4 << 30
 def row_terms(p: Problem, lse, dlse, need_asum_scale: bool):
     """``(lse2, delta correction or None, asum_scale or None, lse')`` -- see the module docstring."""
@@ -123,22 +127,41 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
             launch(c0, min(p.s_q, c0 + wave), dkv_acc)
     else:
         n_rblk = ws_row_blocks(kernel, p.h_q)
+        ws_dtype = getattr(kernel, "det_ws_dtype", None) or torch.float32
         rows_per_token = n_rblk * p.topk
-        per_token = rows_per_token * p.d_qk * 4
+        per_token = rows_per_token * p.d_qk * ws_dtype.itemsize
         wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_token))
         valid = valid_mask(p.indices, p.s_kv, p.topk_length)
-        ws = torch.empty(wave * rows_per_token, p.d_qk, dtype=torch.float32, device=dev)
+        ws = torch.empty(wave * rows_per_token, p.d_qk, dtype=ws_dtype, device=dev)
         for c0 in range(0, p.s_q, wave):
             c1 = min(p.s_q, c0 + wave)
             launch(c0, c1, ws)
             reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_rblk)
 
-    dkv = dkv_acc.to(p.dtype)
+    dkv = natural_columns(dkv_acc.to(p.dtype), getattr(kernel, "ws_col_perm", None))
     d_sink = d_attn_sink(p, lse_eff, delta) if p.attn_sink is not None else None
     res = (dq, dkv, d_sink)
     if return_attn_sum:
         res = res + (asum_parts.sum(dim=1) if n_hblk > 1 else asum_parts[:, 0],)
     return res
+
+
+_PERM_CACHE: dict = {}
+
+
+def natural_columns(ws: torch.Tensor, perm) -> torch.Tensor:
+    """Undo a kernel's workspace column order: ``perm`` (or None: natural order) gives, for each
+    natural column of a group of ``len(perm)`` columns, its position in the workspace group
+    (the sm90 backward stores 16-column groups permuted so that its atomics need fewer shuffles)."""
+    if perm is None:
+        return ws
+    n = len(perm)
+    key = (tuple(perm), ws.device)
+    idx = _PERM_CACHE.get(key)
+    if idx is None:
+        idx = _PERM_CACHE[key] = torch.tensor(perm, dtype=torch.long, device=ws.device)
+    rows, d = ws.shape
+    return ws.view(rows, d // n, n).index_select(2, idx).reshape(rows, d)
 
 
 def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
@@ -162,17 +185,18 @@ def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor,
     if acc.is_cuda:
         start = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=acc.device)
         torch.cumsum(counts, 0, out=start[1:])
-        _segment_sum_fn(acc.shape[1], acc.device)(
+        _segment_sum_fn(acc.shape[1], acc.device, ws.dtype == torch.bfloat16)(
             ws, ids[order].to(torch.int32), start.to(torch.int32), uniq.to(torch.int32), acc
         )
         return
-    seg = torch.segment_reduce(ws[ids[order]], "sum", lengths=counts, axis=0)
+    seg = torch.segment_reduce(ws[ids[order]].to(acc.dtype), "sum", lengths=counts, axis=0)
     acc[uniq] += seg  # one addition per (unique) row: no collisions
 
 
-def _segment_sum_fn(d: int, device):
+def _segment_sum_fn(d: int, device, bf16_rows: bool = False):
     from .segment_sum import compile_segment_sum
 
     arch = _compile.arch_for_device(device)
-    _, fn = _compile.cached_compile(("SegmentSum", d, arch), lambda: compile_segment_sum(d, arch))
+    _, fn = _compile.cached_compile(("SegmentSum", d, bf16_rows, arch),
+                                    lambda: compile_segment_sum(d, arch, bf16_rows))
     return fn

@@ -148,6 +148,31 @@ def red_add_v4_f32_hint(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d:
 
 
 @dsl_user_op
+def bulk_reduce_add_f32(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, policy: Int64, *, loc=None,
+                        ip=None) -> None:
+    """TMA bulk reduction ``global[gmem_addr : +nbytes] += shared[smem_addr : +nbytes]`` (float32
+    add, ``cp.reduce.async.bulk ... .add.f32`` with an L2 cache-policy hint; ``nbytes`` a multiple
+    of 16, both addresses 16-byte aligned).  Asynchronous: commit the bulk group and wait (``.read``)
+    before the source is overwritten."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip),
+         Int32(nbytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [$0], [$1], $2, $3;",
+        "l,r,r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def bulk_commit_and_wait_read_le(n: int, *, loc=None, ip=None) -> None:
+    """Commit this thread's bulk operations and wait until at most ``n`` groups still read smem."""
+    _asm_void(f"cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group.read {int(n)};", loc, ip)
+
+
+@dsl_user_op
 def st_global_v4_f32(gmem_addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
     """A 16-byte vector store of four floats to global memory."""
     llvm.inline_asm(
@@ -268,6 +293,39 @@ class HalfBufferBarriers:
 
     def release(self) -> None:
         cute.arch.mbarrier_arrive(self.free)
+
+
+class PhaseSignal:
+    """An mbarrier used as a one-way, once-per-iteration signal from one thread group to another.
+
+    Every thread of the sending group calls :meth:`arrive` after its shared-memory writes (the
+    arrive releases *this thread's* earlier accesses, so each writer must arrive itself -- an
+    elected lane arriving for its warp would leave the other lanes' writes unordered); the
+    receiving group calls :meth:`wait` with the iteration's parity before it reads.  The sender
+    must not arrive for iteration ``i + 1`` before the receiver has waited on ``i`` (a parity wait
+    cannot tell phase ``p`` from ``p + 2``): the kernels guarantee it with a signal in the other
+    direction.  Used instead of a named ``bar.arrive``/``bar.sync`` pair because the PTX memory
+    model *and* compute-sanitizer's racecheck both see the release/acquire of an mbarrier, so a
+    buffer reused in the next iteration is provably free of write-after-read hazards.
+    """
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def init(self, senders: int) -> None:
+        cute.arch.mbarrier_init(self.ptr, senders)
+
+    def arrive(self) -> None:
+        cute.arch.mbarrier_arrive(self.ptr)
+
+    def wait(self, parity) -> None:
+        cute.arch.mbarrier_wait(self.ptr, parity)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,8 +71,9 @@ def attn_dist_fake_args(d_qk: int, h_q: int, topk_block: int):
     )
 
 
-def bwd_fake_args(d_qk: int, h_q: int):
-    """The backward's arguments -- see ``common.bwd_host.run_bwd`` for what each one holds."""
+def bwd_fake_args(d_qk: int, h_q: int, bf16_workspace: bool = False):
+    """The backward's arguments -- see ``common.bwd_host.run_bwd`` for what each one holds
+    (``bf16_workspace``: the deterministic per-slot workspace is bfloat16, not float32)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -92,7 +93,7 @@ def bwd_fake_args(d_qk: int, h_q: int):
         host.fake(Float32, (sq[6], h_q), align=4),  # delta out
         host.fake(Float32, (sq[7], h_q), align=4),  # attn_sum scale
         host.fake(BFloat16, (sq[8], h_q, d_qk)),  # dq
-        host.fake(Float32, (n_ws, d_qk)),  # dkv workspace
+        host.fake(BFloat16 if bf16_workspace else Float32, (n_ws, d_qk)),  # dkv workspace
         host.fake(Float32, (sq[9], n_grp, topk2), align=4),  # attn_sum partials
         Float32(1.0),
         Float32(1.0),
@@ -129,6 +130,11 @@ class CuteKernelBackend(Backend):
 
     compile_bwd = None  # the backward's compile function (same arguments on every arch)
     bwd_name = ""  # its compile-cache key
+
+    @property
+    def import_spec(self) -> str:
+        """Where a first-use check process finds this backend (``mla_kernels.sm100:BACKEND``)."""
+        return f"{type(self).__module__}:BACKEND"
 
     # -- shared ---------------------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> Optional[str]:

@@ -52,7 +52,12 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
     from .bwd import SparseMlaBwdSm90
 
     kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic)
-    return kernel, _compile.compile_kernel(kernel, *bwd_fake_args(d_qk, h_q), arch=arch, **kw)
+    if deterministic:
+        import torch
+
+        kernel.det_ws_dtype = torch.bfloat16  # bf16 per-slot rows (see SparseMlaBwdSm90.det_ws_dtype)
+    return kernel, _compile.compile_kernel(kernel, *bwd_fake_args(d_qk, h_q, bf16_workspace=deterministic),
+                                           arch=arch, **kw)
 
 
 class Sm90Backend(CuteKernelBackend):

@@ -62,7 +62,8 @@ MN_MAJ = OperandMajorMode.MN
 
 # Named barrier ids (0 is __syncthreads).
 BAR_P = 1  # WG0 stored P (WG0 arrives, WG1 waits)
-BAR_DS = 2  # WG1 stored dS (both sync)
+BAR_DS = 2  # WG1 stored dS (WG1 arrives, WG0 waits)
+BAR_DS_WG1 = 7  # WG1 only: all of dS stored before WG1's own products read it
 BAR_DKV_DONE = 3  # WG1's dKV products finished reading P/dS (WG1 arrives, WG0 waits)
 BAR_ASUM = 4  # WG0 only: attention-sum partials in smem
 BAR_EPI = 5  # both: dQ epilogue
@@ -71,6 +72,14 @@ BAR_DELTA = 6  # WG1 only: delta rows in smem
 
 class SparseMlaBwdSm90:
     """Static configuration + host launcher + device kernel of the sm90 sparse backward."""
+
+    #: The float32 dKV workspace's column order within 16-column groups (see :class:`_Scatter`);
+    #: ``common.bwd_host`` undoes it when it converts the workspace.
+    ws_col_perm = None  # set below, once WS_COL_PERM is defined
+    #: Deterministic mode: each (token, head block, slot) row is stored as bfloat16 (rounded once;
+    #: the host's fixed-order sum is float32).  Half of the float32 rows' HBM traffic, which is
+    #: what bounds that mode.
+    det_ws_dtype = None  # torch.bfloat16, set by the backend (kernels do not import torch)
 
     def __init__(
         self,
@@ -110,6 +119,7 @@ class SparseMlaBwdSm90:
         # (+2% at 32k, +9% at 64k).  Both measured on the H200.
         self.ws_evict_last = True
         self.pair_cluster = True
+        self.dkv_double_buffer = True  # WG1's dKV chunks: products of c+1 in flight while c is scattered
         self.regs_consumer = 224
         self.regs_producer = 56
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -132,7 +142,7 @@ class SparseMlaBwdSm90:
         mDeltaOut: cute.Tensor,  # [s_q, h_q] f32 out: rowsum(O dO) (for d_attn_sink)
         mAsumScale: cute.Tensor,  # [s_q, h_q] f32: exp(lse' - lse) (read only if attn_sum_scaled)
         mDQ: cute.Tensor,  # [s_q, h_q, d_qk] bf16
-        mWs: cute.Tensor,  # f32 [s_kv, d_qk] (atomic) or [s_q * n_hblk * topk, d_qk] (deterministic)
+        mWs: cute.Tensor,  # f32 [s_kv, d_qk] (atomic) or bf16 [s_q * n_hblk * topk, d_qk] (deterministic)
         mAsum: cute.Tensor,  # f32 [s_q, n_hblk, topk] (written only if attn_sum)
         scale_log2: Float32,  # sm_scale * log2(e)
         sm_scale: Float32,
@@ -397,6 +407,11 @@ class SparseMlaBwdSm90:
         tKVrDS = thr_kv.make_fragment_A(thr_kv.partition_A(sDSt))
         tKVrP = thr_kv.make_fragment_A(thr_kv.partition_A(sPt))
         acc_kv = thr_kv.make_fragment_C(thr_kv.partition_shape_C((B_TOPK, 64)))
+        # WG1 (no RoPE dQ accumulator) has the registers for a second dKV accumulator: it overlaps
+        # each chunk's atomics with the next chunk's products.  WG0 computes and scatters in turn.
+        accs_kv = ((acc_kv,), (acc_kv,))
+        if const_expr(self.dkv_double_buffer):
+            accs_kv = ((acc_kv,), (acc_kv, thr_kv.make_fragment_C(thr_kv.partition_shape_C((B_TOPK, 64)))))
         acc_s = thr_s.make_fragment_C(thr_s.partition_shape_C((B_H, B_TOPK)))
 
         st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
@@ -467,7 +482,7 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b, topk)
+                self._dkv_chunks(self.dkv_chunks[0], thr_kv, accs_kv[0], tKVrDS, tKVrP, sQt, sDOt, scatter, b)
             if const_expr(self.attn_sum):
                 self._attn_sum_tail(mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg)
         else:
@@ -506,14 +521,18 @@ class SparseMlaBwdSm90:
                 rPb.store(acc_s.load().to(BFloat16))
                 cute.copy(thr_st, thr_st.retile(rPb), tDSsDS)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=256)
+                # One-way hand-off to WG0 plus WG1's own sync: a bar.sync that both warpgroups
+                # reached from different code locations is what synccheck reports as divergent
+                # (barrier.sync.aligned wants one instruction per barrier instance).
+                cute.arch.barrier_arrive(barrier_id=BAR_DS, number_of_threads=256)
+                cute.arch.barrier(barrier_id=BAR_DS_WG1, number_of_threads=128)
                 # dQ[:, 256:512] += dS K[:, 256:512]
                 cute.nvgpu.warpgroup.fence()
                 self._gemm(K_MAJ, MN_MAJ, 256, acc_dq, tDQrDS, tDQrK, 0, 4, False)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b, topk)
+                self._dkv_chunks(self.dkv_chunks[1], thr_kv, accs_kv[1], tKVrDS, tKVrP, sQt, sDOt, scatter, b)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
 
@@ -566,21 +585,28 @@ class SparseMlaBwdSm90:
             cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _dkv_chunks(self, chunks: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
-                    scatter, b: Int32, topk: Int32):
-        """dKV[:, chunk] = dS^T Q[:, chunk] (+ P^T dO[:, chunk]) per 64-column chunk; scatter."""
-        vec = cute.make_rmem_tensor((16,), Float32)
-        for c in cutlass.range_constexpr(len(chunks)):
-            ch = chunks[c]
-            tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
-            cute.nvgpu.warpgroup.fence()
-            self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrDS, tB_q, 0, 4, True)
-            if const_expr(ch < self.n_v_tiles):
-                tB_do = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sDOt, (64, B_H), (ch, 0))))
-                self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrP, tB_do, 0, 4, False)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            scatter.chunk(acc_kv, vec, ch, b, topk)
+    def _dkv_chunks(self, chunks: cutlass.Constexpr, thr_kv, accs, tKVrDS, tKVrP, sQt, sDOt, scatter, b: Int32):
+        """dKV[:, chunk] = dS^T Q[:, chunk] (+ P^T dO[:, chunk]) per 64-column chunk; scatter.
+
+        With two accumulators (``accs``) the products of chunk ``c + 1`` are issued before chunk
+        ``c`` is scattered, so its atomics run under the tensor cores' work; with one, each chunk
+        is computed, waited for and scattered in turn."""
+        n_acc = len(accs)
+        for c in cutlass.range_constexpr(len(chunks) + n_acc - 1):
+            if const_expr(c < len(chunks)):
+                ch = chunks[c]
+                acc = accs[c % n_acc]
+                tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
+                cute.nvgpu.warpgroup.fence()
+                self._gemm(MN_MAJ, MN_MAJ, 64, acc, tKVrDS, tB_q, 0, 4, True)
+                if const_expr(ch < self.n_v_tiles):
+                    tB_do = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sDOt, (64, B_H), (ch, 0))))
+                    self._gemm(MN_MAJ, MN_MAJ, 64, acc, tKVrP, tB_do, 0, 4, False)
+                cute.nvgpu.warpgroup.commit_group()
+            done = c - (n_acc - 1)  # the chunk whose products are complete after this wait
+            if const_expr(done >= 0):
+                cute.nvgpu.warpgroup.wait_group(n_acc - 1 if c < len(chunks) else len(chunks) - 1 - done)
+                scatter.chunk(accs[done % n_acc], chunks[done], b)
 
     @cute.jit
     def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg):
@@ -623,35 +649,40 @@ class SparseMlaBwdSm90:
 
 class _Scatter:
     """The dKV scatter of one consumer thread: row addressing (atomic workspace ``[s_kv, d_qk]`` or
-    the deterministic per-slot workspace) and the register rearrangement that makes each warp
+    the deterministic per-slot workspace) and the register exchange that makes each warp
     instruction cover 4 whole 128-byte lines.
 
-    The 64 x 64 chunk fragment gives lane ``(r8, q)`` (``lane = 4 r8 + q``) columns ``8g + 2q``,
-    ``+1`` of rows ``r8`` and ``r8 + 8`` (of the warp's 16).  ``quad_pair_v4`` turns that into one
-    4-column vector per group g (even q: row r8, odd q: row r8 + 8); per half chunk (g = 4p..4p+3)
-    a 4 x 4 lane transpose over the low two bits of r8 then leaves instruction j of lane
-    ``(r8, q)`` with row ``4 (r8 >> 2) + j + 8 (q & 1)``, columns ``32p + 8 (r8 & 3) + 4 (q >> 1)``:
-    8 consecutive lanes cover 128 contiguous bytes of one row.
+    Workspace column order: the float32 workspace rows are stored in a *permuted* column order
+    (:data:`WS_COL_PERM`, within every 16-column group) so that a thread's accumulator values land
+    in 16-byte vectors with a single shuffle per value.  The 64 x 64 chunk fragment gives lane
+    ``(r8, q)`` (``lane = 4 r8 + q``) columns ``8g + 2q``, ``+1`` (g = 0..7) of rows ``r8`` and
+    ``r8 + 8`` of the warp's 16; the four values of column pair ``2q`` of groups ``2G``, ``2G+1``
+    (16-column group ``G``) are workspace columns ``16G + 4q .. 16G + 4q + 3``.  Lanes ``r8 = 2k`` and
+    ``2k + 1`` swap one such vector (shuffle xor 4) so that each writes its half (group ``2L`` for
+    the even lane, ``2L + 1`` for the odd one) of both their rows: per instruction, 8 lanes cover
+    the 128 bytes of one row.  Per chunk and thread: 16 shuffles, 48 selects, 8 ``red.v4`` (the
+    earlier exchange into natural column order took 48 shuffles and ~150 selects).  The host undoes
+    the permutation when it converts the workspace to bfloat16.
     """
 
     def __init__(self, kernel: SparseMlaBwdSm90, mWs, sRowIdx, idx_in_wg, s_idx, h_blk, n_hblk, topk):
         self.deterministic = kernel.deterministic
         self.sRowIdx = sRowIdx
         lane = idx_in_wg % 32
-        lane_quad = lane % 4
-        self.odd = (lane_quad & 1) != 0
-        self.r8 = lane // 4
-        self.row0 = (idx_in_wg // 32) * 16 + 4 * (self.r8 >> 2) + 8 * (lane_quad & 1)
-        self.ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (self.r8 & 3) + 4 * (lane_quad >> 1)) * 4)
-        self.row_bytes = kernel.d_qk * 4
+        r8 = lane // 4
+        self.odd = (r8 & 1) != 0
+        self.row_pair = (idx_in_wg // 32) * 16 + (r8 & 6)  # the even row of this lane pair
+        self.elem = 2 if kernel.deterministic else 4  # workspace bytes per value (bf16 per-slot rows)
+        self.ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((16 * (r8 & 1) + 4 * (lane % 4)) * self.elem)
+        self.row_bytes = kernel.d_qk * (2 if kernel.deterministic else 4)
         self.ws_evict_last = kernel.ws_evict_last
         self.policy = Int64(0)
         if kernel.ws_evict_last:
             self.policy = dev.createpolicy_evict_last()
         self.det_row0 = Int32(0)
         if kernel.deterministic:
-            # this thread's first per-slot row; int32 suffices: the host bounds a wave's rows
-            self.det_row0 = (s_idx * n_hblk + h_blk) * topk + self.row0
+            # this CTA's first per-slot row; int32 suffices: the host bounds a wave's rows
+            self.det_row0 = (s_idx * n_hblk + h_blk) * topk
 
     def __extract_mlir_values__(self):
         return []
@@ -660,26 +691,50 @@ class _Scatter:
         return self
 
     @cute.jit
-    def chunk(self, acc_kv, vec, ch: cutlass.Constexpr, b, topk) -> None:
-        parity = b & 1
-        for p in cutlass.range_constexpr(2):
-            for s in cutlass.range_constexpr(4):
-                v = dev.quad_pair_v4(acc_kv, 4 * p + s, self.odd)
+    def _store(self, row, b, col_off: cutlass.Constexpr, v0, v1, v2, v3) -> None:
+        kv_row = self.sRowIdx[(b & 1) * B_TOPK + row]
+        if kv_row >= 0:
+            dst = Int64(kv_row)
+            if const_expr(self.deterministic):
+                dst = Int64(self.det_row0 + b * B_TOPK + row)
+            addr = self.ws_base + dst * Int64(self.row_bytes) + Int64(col_off * self.elem)
+            if const_expr(self.deterministic):
+                dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
+            elif const_expr(self.ws_evict_last):
+                dev.red_add_v4_f32_hint(addr, v0, v1, v2, v3, self.policy)
+            else:
+                dev.red_add_v4_f32(addr, v0, v1, v2, v3)
+
+    @cute.jit
+    def chunk(self, acc_kv, ch: cutlass.Constexpr, b) -> None:
+        for rh in cutlass.range_constexpr(2):
+            row = self.row_pair + 8 * rh
+            for ln in cutlass.range_constexpr(2):
+                a0 = [acc_kv[dev.acc_flat(v, rh, 4 * ln + g)] for g in (0, 1) for v in (0, 1)]
+                a1 = [acc_kv[dev.acc_flat(v, rh, 4 * ln + 2 + g)] for g in (0, 1) for v in (0, 1)]
+                d1 = []
+                d2 = []
                 for e in cutlass.range_constexpr(4):
-                    vec[4 * s + e] = v[e]
-            dev.transpose_lanes(vec, self.r8, 4)
-            for j in cutlass.range_constexpr(4):
-                row = self.row0 + j
-                kv_row = self.sRowIdx[parity * B_TOPK + row]
-                if kv_row >= 0:
-                    dst = Int64(kv_row)
-                    if const_expr(self.deterministic):
-                        dst = Int64(self.det_row0 + b * B_TOPK + j)
-                    addr = self.ws_base + dst * Int64(self.row_bytes) + Int64((ch * 64 + 32 * p) * 4)
-                    if const_expr(self.deterministic):
-                        dev.st_global_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
-                    elif const_expr(self.ws_evict_last):
-                        dev.red_add_v4_f32_hint(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3],
-                                                self.policy)
-                    else:
-                        dev.red_add_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
+                    send = Float32(cutlass.select_(self.odd, a0[e], a1[e]))
+                    recv = cute.arch.shuffle_sync_bfly(send, offset=4)
+                    d1.append(Float32(cutlass.select_(self.odd, recv, a0[e])))
+                    d2.append(Float32(cutlass.select_(self.odd, a1[e], recv)))
+                col = ch * 64 + 32 * ln
+                self._store(row, b, col, d1[0], d1[1], d1[2], d1[3])
+                self._store(row + 1, b, col, d2[0], d2[1], d2[2], d2[3])
+
+
+def _ws_col_perm():
+    """Natural column -> position in a 16-column group of the workspace (see :class:`_Scatter`):
+    workspace column ``4q + e`` of a group holds natural column ``8 (e // 2) + 2q + e % 2``."""
+    perm = [0] * 16
+    for j in range(16):
+        q, e = j // 4, j % 4
+        perm[8 * (e // 2) + 2 * q + e % 2] = j
+    return tuple(perm)
+
+
+#: ``natural[..., c] = workspace[..., WS_COL_PERM[c]]`` within every 16-column group.
+WS_COL_PERM = _ws_col_perm()
+
+SparseMlaBwdSm90.ws_col_perm = WS_COL_PERM

@@ -6,7 +6,8 @@ One CTA per (query token, 64-head block); 384 threads in three warpgroups:
   0..255, WG1 columns 256..511.  Top-k blocks of 64 indices are processed in pairs: WG0 computes
   ``S0 = Q K0^T`` for the even block (KV buffer 0), WG1 ``S1 = Q K1^T`` for the odd block
   (buffer 1), both by wgmma over the ``d_qk/64`` k-tiles.  The row max is exchanged through smem
-  (WG0's max -> WG1 -> final max back to WG0), each WG does the online softmax of its block,
+  (WG0's max -> WG1 -> final max back to WG0; one array and one mbarrier signal per direction,
+  see "Synchronisation" below), each WG does the online softmax of its block,
   keeps its own P in registers (``O += P V`` as an RS wgmma) and hands the other WG its P through
   smem (stmatrix; SS wgmma).  V is the first 512 columns of the same smem KV tile, read through
   a transposed (MN-major) view: no second load.
@@ -22,6 +23,15 @@ one FFMA; ``lse``/``max_logits`` are converted back to natural-log units at the 
 
 For d_qk = 576 WG0's P for WG1 lives in buffer 0's RoPE tile (free once S0 is computed), which is
 what lets Q + two 576-wide buffers fit in 227 KB of smem.
+
+Synchronisation (clean under compute-sanitizer racecheck and synccheck): the KV halves are guarded
+by ready/free mbarriers; the row-max exchange uses two arrays (``sM0`` written only by WG0,
+``sM1`` only by WG1) and two :class:`~mla_kernels.common.device.PhaseSignal` mbarriers, so no
+lane ever reads a word another lane of its warp overwrites in the same step, and every reuse of a
+word in the next iteration is ordered by an mbarrier release/acquire (an earlier version shared
+one array and named ``bar.arrive``/``bar.sync`` pairs: racecheck reported write-after-read
+hazards on it).  The P hand-offs keep named barriers, always as ``bar.arrive`` by the writer and
+``bar.sync`` by the reader, never a ``bar.sync`` reached from two code locations.
 """
 
 from __future__ import annotations
@@ -45,8 +55,6 @@ THREADS = 384
 SMEM_LIMIT = 232448
 
 # Named barrier ids (0 is __syncthreads).
-BAR_WG0_MAX = 1  # WG0 published its running max (WG0 arrives, WG1 waits)
-BAR_WG1_MAX = 2  # WG1 published the final max (WG1 arrives, WG0 waits)
 BAR_S0_READY = 3  # WG0's P is in smem
 BAR_S1_READY = 4  # WG1's P is in smem
 BAR_L_READY = 5  # row sums exchanged in the epilogue
@@ -115,10 +123,11 @@ class SparseMlaFwdSm90:
             sK1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sS1: cute.struct.Align[cute.struct.MemRange[BFloat16, B_H * B_TOPK], 1024]
             sS0: cute.struct.Align[cute.struct.MemRange[BFloat16, max(s0_elems, 8)], 1024]
-            # q_full, 4 x (ready, free), valid
-            mbar: cute.struct.MemRange[cutlass.Int64, 10]
+            # q_full, 4 x (ready, free), valid, WG0's max published, WG1's final max published
+            mbar: cute.struct.MemRange[cutlass.Int64, 12]
             sValid: cute.struct.MemRange[Uint32, 4]
-            sM: cute.struct.MemRange[Float32, B_H]
+            sM0: cute.struct.MemRange[Float32, B_H]  # written by WG0 only
+            sM1: cute.struct.MemRange[Float32, B_H]  # written by WG1 only
             sL: cute.struct.MemRange[Float32, 2 * B_H]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -180,6 +189,8 @@ class SparseMlaFwdSm90:
         k1l = dev.HalfBufferBarriers(mbar + 5, mbar + 6)
         k1r = dev.HalfBufferBarriers(mbar + 7, mbar + 8)
         bar_valid = mbar + 9
+        max0_ready = dev.PhaseSignal(mbar + 10)
+        max1_ready = dev.PhaseSignal(mbar + 11)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
@@ -189,6 +200,8 @@ class SparseMlaFwdSm90:
                 for i in cutlass.range_constexpr(4):
                     dev.HalfBufferBarriers.init(mbar + 1 + 2 * i, mbar + 2 + 2 * i, 128, 128)
                 cute.arch.mbarrier_init(bar_valid, 4)
+                max0_ready.init(128)
+                max1_ready.init(128)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -220,7 +233,8 @@ class SparseMlaFwdSm90:
 
         # Everything the roles need from `storage`, taken out before the role branch.
         sValid = storage.sValid.get_tensor(cute.make_layout(4))
-        sM = storage.sM.get_tensor(cute.make_layout(B_H))
+        sM0 = storage.sM0.get_tensor(cute.make_layout(B_H))
+        sM1 = storage.sM1.get_tensor(cute.make_layout(B_H))
         sL = storage.sL.get_tensor(cute.make_layout(2 * B_H))
         sK0_ptr = storage.sK0.data_ptr()
         sK1_ptr = storage.sK1.data_ptr()
@@ -236,8 +250,8 @@ class SparseMlaFwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
                 mSink, mMaxLogits, mLse, scale_log2, tma_atom_o, tma_o, sO_half_layout,
-                sQ_ptr, sValid, sM, sL, sQ, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r, bar_valid,
-                s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
+                sQ_ptr, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r, bar_valid,
+                max0_ready, max1_ready, s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
             )
 
     # ------------------------------------------------------------------------------------------
@@ -300,7 +314,8 @@ class SparseMlaFwdSm90:
         sO_half_layout: cute.ComposedLayout,
         sQ_ptr: cute.Pointer,
         sValid: cute.Tensor,
-        sM: cute.Tensor,
+        sM0: cute.Tensor,
+        sM1: cute.Tensor,
         sL: cute.Tensor,
         sQ: cute.Tensor,
         sK0: cute.Tensor,
@@ -313,6 +328,8 @@ class SparseMlaFwdSm90:
         k1l: cutlass.Constexpr,
         k1r: cutlass.Constexpr,
         bar_valid,
+        max0_ready: cutlass.Constexpr,
+        max1_ready: cutlass.Constexpr,
         s_idx: Int32,
         h_blk: Int32,
         num_iters: Int32,
@@ -379,18 +396,18 @@ class SparseMlaFwdSm90:
                 # Online softmax of block 0 against WG0's running max; publish the max.
                 dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
                 if lane_quad == 0:
-                    sM[row0] = rM[0]
-                    sM[row1] = rM[1]
-                cute.arch.barrier_arrive(barrier_id=BAR_WG0_MAX, number_of_threads=256)
+                    sM0[row0] = rM[0]
+                    sM0[row1] = rM[1]
+                max0_ready.arrive()
                 # O_left += P0 V0_left (P0 from registers)
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV0_rs)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k0l.release()
                 # Final max from WG1: rescale P0, hand it to WG1 through smem.
-                cute.arch.barrier(barrier_id=BAR_WG1_MAX, number_of_threads=256)
-                m0 = sM[row0]
-                m1 = sM[row1]
+                max1_ready.wait(parity)
+                m0 = sM1[row0]
+                m1 = sM1[row1]
                 sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
                 sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
                 rM[0] = m0
@@ -429,12 +446,12 @@ class SparseMlaFwdSm90:
                 cute.arch.mbarrier_wait(bar_valid, parity)
                 dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
                 # Online softmax of block 1 against max(WG0's max, own); publish the final max.
-                cute.arch.barrier(barrier_id=BAR_WG0_MAX, number_of_threads=256)
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM[row0], sM[row1])
+                max0_ready.wait(parity)
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
                 if lane_quad == 0:
-                    sM[row0] = rM[0]
-                    sM[row1] = rM[1]
-                cute.arch.barrier_arrive(barrier_id=BAR_WG1_MAX, number_of_threads=256)
+                    sM1[row0] = rM[0]
+                    sM1[row1] = rM[1]
+                max1_ready.arrive()
                 # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV1_rs)

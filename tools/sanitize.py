@@ -1,0 +1,432 @@
+#!/usr/bin/env python3
+"""Run every sm90 kernel configuration the dispatch can pick under compute-sanitizer.
+
+  python tools/sanitize.py [--tools memcheck,racecheck,synccheck] [--groups A,B,...] [--log-dir DIR]
+
+Each *group* is one process that runs a small problem (s_q 70, s_kv 1,000, topk 200 -- padded to
+256 --, invalid, out-of-range and duplicate indices, an empty row) through the public API with
+the sm90 backend forced (``MLA_KERNELS_BACKEND=sm90``: a call the kernels cannot serve raises
+instead of falling back): the forward, attention distribution and backward configurations of one
+``(d_qk, h_q, options)`` set, the deterministic backward with its segment-sum reduction, and the
+backward with an lse gradient (``dlse``).  The tools run in parallel, one process per (group,
+tool).  Every op's result is also checked against the CPU float32 reference, so a kernel that
+did not run (or ran wrong) under the tool shows up as well.
+
+API-probe noise: under memcheck the DSL's CUDA bindings (cuda-python's ``cydriver``) report
+``CUDA_ERROR_INVALID_VALUE`` from ``cuGetProcAddress`` while they look up driver entry points the
+installed driver does not export (34 records per process on the H200 host, all before the first
+kernel runs).  Those records are counted separately as ``api-probe`` and do not fail the run;
+every other API error does.
+
+Output: one line per (kernel configuration, tool) -- the number of error and warning records the
+tool printed while that configuration ran (the workload prints BEGIN/END markers around each op
+and synchronises, so reports land between them) -- then one line per (group, tool) with the
+tool's own summary.  Exit status 1 if any tool reported anything, or any check failed.
+
+Without a GPU (or compute-sanitizer) it says so and exits 2.  ``--workload GROUP`` runs one group
+in-process without a sanitizer (what the sanitized processes execute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process's worth of kernel configurations (all share d_qk and h_q)."""
+
+    name: str
+    d_qk: int
+    h_q: int
+    topk_length: bool
+    sink: bool
+    normalize: bool  # attn_dist's fused (or host-side) normalisation
+    ops: Tuple[str, ...]  # fwd, attn_dist, bwd, bwd_asum, bwd_det, bwd_det_asum, bwd_dlse
+
+
+#: Together: both d_qk, h_q 64 / 128 / 192 (attn_dist heads and tokens modes, an odd number of
+#: head blocks: no backward cluster pair), topk_length and attn_sink on and off, attn_sum scaled
+#: (sink) and unscaled, deterministic with the segment-sum reduction, dlse.
+GROUPS = (
+    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "bwd", "bwd_asum", "bwd_det", "bwd_dlse")),
+    Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "bwd", "bwd_asum", "bwd_det_asum")),
+    Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "bwd", "bwd_det", "bwd_dlse")),
+    Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "bwd_asum", "bwd_det")),
+    Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
+)
+GROUP_BY_NAME = {g.name: g for g in GROUPS}
+
+S_Q, S_KV, TOPK = 70, 1000, 200
+MARK = "@@SANITIZE"
+
+
+def config_label(g: Group, op: str) -> str:
+    opts = [f"d{g.d_qk}", f"h{g.h_q}"]
+    if g.topk_length:
+        opts.append("topk_len")
+    if g.sink:
+        opts.append("sink")
+    if op == "attn_dist" and g.normalize:
+        opts.append("norm")
+    return f"{op:<13} " + " ".join(opts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload (runs under the sanitizer)
+# ---------------------------------------------------------------------------------------------
+
+
+def _case(g: Group, seed: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(S_Q, g.h_q, g.d_qk, generator=gen) * 0.1).to(torch.bfloat16)
+    kv = (torch.randn(S_KV, 1, g.d_qk, generator=gen) * 0.1).to(torch.bfloat16)
+    idx = torch.randint(0, S_KV, (S_Q, TOPK), generator=gen)
+    dup = torch.rand(S_Q, TOPK, generator=gen) < 0.05
+    idx = torch.where(dup, idx[:, :1].expand_as(idx), idx)
+    bad = torch.rand(S_Q, TOPK, generator=gen) < 0.1
+    badval = torch.where(torch.rand(S_Q, TOPK, generator=gen) < 0.5, torch.full_like(idx, -1), idx + S_KV)
+    idx = torch.where(bad, badval, idx).to(torch.int32)
+    idx[3] = -1  # an empty row
+    tl = None
+    if g.topk_length:
+        tl = torch.randint(0, TOPK + 1, (S_Q,), generator=gen).to(torch.int32)
+        tl[0], tl[1] = 0, TOPK
+    sink = torch.randn(g.h_q, generator=gen) if g.sink else None
+    return q, kv, idx.reshape(S_Q, 1, TOPK), tl, sink
+
+
+def _rel(a, b) -> float:
+    """Relative L2 error of ``a`` against ``b``; non-finite reference entries must match exactly;
+    NaN anywhere in ``a`` fails."""
+    import torch
+
+    a, b = a.double().cpu(), b.double().cpu()
+    if bool(torch.isnan(a).any()):
+        return math.inf
+    fin = torch.isfinite(b)
+    if not bool(fin.all()):
+        if not bool((a[~fin] == b[~fin]).all()):
+            return math.inf
+        a, b = a[fin], b[fin]
+    return float((a - b).norm()) / max(float(b.norm()), 1e-30)
+
+
+def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
+    """Run the group's ops on ``device`` with ``backend`` forced (sm90 on the GPU; the CPU tests
+    use the reference), each between BEGIN/END markers; check each against the CPU float32
+    reference.  Returns the number of failed checks."""
+    import torch
+
+    import mla_kernels as mk
+    from mla_kernels import reference as ref
+
+    os.environ["MLA_KERNELS_BACKEND"] = backend
+    q, kv, idx, tl, sink = _case(g, seed=1234 + g.d_qk + g.h_q)
+    sm_scale = g.d_qk ** -0.5
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    qd, kvd, idxd = q.to(dev), kv.to(dev), idx.to(dev)
+    tld = tl.to(dev) if tl is not None else None
+    sinkd = sink.to(dev) if sink is not None else None
+    want_out, _, want_lse = ref.sparse_mla_fwd_ref(q.float(), kv.float(), idx, sm_scale, 512, tl, sink)
+    dout = (torch.randn(S_Q, g.h_q, 512, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16)
+    failures = 0
+
+    def step(op: str, fn, checks):
+        nonlocal failures
+        label = config_label(g, op)
+        print(f"{MARK} BEGIN {label}", flush=True)
+        err = None
+        try:
+            res = fn()
+            sync()
+        except Exception as e:  # a kernel that cannot run is a failure, not a skip
+            err = f"{type(e).__name__}: {e}"
+            res = None
+        if err is None:
+            for name, got, want, tol in checks(res):
+                r = _rel(got, want)
+                if not (r <= tol):
+                    err = f"{name} rel err {r:.3g} > {tol}"
+                    break
+        if err is not None:
+            failures += 1
+        print(f"{MARK} END {label} | check: {'ok' if err is None else 'FAILED ' + err}", flush=True)
+        return res
+
+    fwd = step("fwd", lambda: mk.sparse_mla_fwd(qd, kvd, idxd, sm_scale, 512, tld, sinkd),
+               lambda r: [("out", r[0].float(), want_out, 1e-2), ("lse", r[2], want_lse, 1e-5)])
+    out_d, lse_d = (fwd[0], fwd[2]) if fwd is not None else (want_out.to(dev, torch.bfloat16), want_lse.to(dev))
+    out_c = out_d.float().cpu()
+
+    if "attn_dist" in g.ops:
+        want_asum = ref.attn_dist_ref(q.float(), kv.float(), idx, want_lse, sm_scale, tl, g.normalize)
+        step("attn_dist", lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
+             lambda r: [("attn_sum", r, want_asum, 1e-3)])
+
+    bwd_ref = {}
+
+    def want_bwd(dlse=None):
+        key = dlse is not None
+        if key not in bwd_ref:
+            bwd_ref[key] = ref.sparse_mla_bwd_ref(
+                q.float(), kv.float(), out_c, dout.float(), idx, lse_d.cpu(), sm_scale, 512, tl, sink,
+                dlse=dlse, return_attn_sum=True)
+        return bwd_ref[key]
+
+    for op in ("bwd", "bwd_asum", "bwd_det", "bwd_det_asum"):
+        if op not in g.ops:
+            continue
+        det, asum = "det" in op, op.endswith("asum")
+
+        def run(det=det, asum=asum):
+            return mk.sparse_mla_bwd(qd, kvd, out_d, dout.to(dev), idxd, lse_d, sm_scale, 512, tld, sinkd,
+                                     deterministic=det, return_attn_sum=asum)
+
+        def checks(r, asum=asum):
+            w = want_bwd()
+            c = [("dq", r[0].float(), w[0], 1e-2), ("dkv", r[1].float(), w[1], 1e-2)]
+            if sink is not None:
+                c.append(("d_sink", r[2], w[2], 1e-2))
+            if asum:
+                c.append(("attn_sum", r[3], w[3], 1e-3))
+            return c
+
+        step(op, run, checks)
+
+    if "bwd_dlse" in g.ops:
+        # The autograd op with a loss on lse: the backward gets a dlse (the has_dlse variant).
+        dlse = torch.randn(S_Q, g.h_q, generator=torch.Generator().manual_seed(9)) * 0.1
+
+        def run_dlse():
+            qg = qd.detach().clone().requires_grad_(True)
+            kvg = kvd.detach().clone().requires_grad_(True)
+            o, l = mk.sparse_mla(qg, kvg, idxd, sm_scale, 512, tld, sinkd, return_lse=True)
+            finite = torch.isfinite(l)
+            torch.autograd.backward([o, torch.where(finite, l, 0.0)],
+                                    [dout.to(dev), torch.where(finite.cpu(), dlse, 0.0).to(dev)])
+            return qg.grad, kvg.grad
+
+        def checks_dlse(r):
+            w = ref.sparse_mla_bwd_ref(q.float(), kv.float(), out_c, dout.float(), idx, lse_d.cpu(), sm_scale,
+                                       512, tl, sink, dlse=torch.where(torch.isfinite(want_lse), dlse, 0.0))
+            return [("dq", r[0].float(), w[0], 1e-2), ("dkv", r[1].float(), w[1], 1e-2)]
+
+        step("bwd_dlse", run_dlse, checks_dlse)
+    return failures
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------
+
+_HEADER = re.compile(r"^========= (\S.*)$")
+_NOT_RECORD = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY", "Target application")
+
+
+@dataclass
+class Tally:
+    errors: int = 0
+    warnings: int = 0
+    api_probe: int = 0  # cuGetProcAddress lookups of entry points the driver lacks (not a kernel error)
+    first: List[str] = field(default_factory=list)
+    check: str = "not run"
+
+
+def is_api_probe(record: str) -> bool:
+    return "on CUDA API call to cuGetProcAddress" in record
+
+
+def parse_log(text: str, tool: str) -> Tuple[Dict[str, Tally], Optional[str], List[str], int]:
+    """Split a sanitized workload's output by the BEGIN/END markers.
+
+    Returns ``(per-config tallies, the tool's summary line, record headers outside any marker,
+    the number of API-probe records anywhere)``.
+    A record header is a ``=========`` line whose text starts right after the prefix (details are
+    indented); racecheck's ``Warning:`` records and memcheck/synccheck's others are errors.
+    """
+    per: Dict[str, Tally] = {}
+    summary = None
+    stray: List[str] = []
+    probes = 0
+    cur: Optional[str] = None
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            rest = line[len(MARK):].strip()
+            if rest.startswith("BEGIN "):
+                cur = rest[6:].strip()
+                per.setdefault(cur, Tally())
+            elif rest.startswith("END "):
+                label, _, check = rest[4:].partition("| check:")
+                per.setdefault(label.strip(), Tally()).check = check.strip()
+                cur = None
+            continue
+        m = _HEADER.match(line)
+        if not m:
+            continue
+        body = m.group(1)
+        if body.startswith(("ERROR SUMMARY", "RACECHECK SUMMARY")):
+            summary = body
+            continue
+        if body.startswith(_NOT_RECORD):
+            continue
+        if is_api_probe(body):
+            probes += 1
+            if cur is not None:
+                per[cur].api_probe += 1
+            continue
+        is_warning = body.startswith("Warning")
+        if cur is None:
+            stray.append(body)
+            continue
+        t = per[cur]
+        if is_warning:
+            t.warnings += 1
+        else:
+            t.errors += 1
+        if len(t.first) < 2:
+            t.first.append(body[:160])
+    return per, summary, stray, probes
+
+
+def summary_clean(summary: Optional[str], api_probes: int = 0) -> bool:
+    """``ERROR SUMMARY: 0 errors`` (or as many errors as API-probe records) /
+    ``RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)``."""
+    if summary is None:
+        return False
+    m = re.search(r"ERROR SUMMARY: (\d+) error", summary)
+    if m:
+        return int(m.group(1)) == api_probes
+    return bool(re.search(r"SUMMARY: 0 hazards", summary))
+
+
+def find_sanitizer() -> Optional[str]:
+    exe = shutil.which("compute-sanitizer")
+    if exe:
+        return exe
+    hits = sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer")) + sorted(
+        glob.glob("/usr/local/cuda*/compute-sanitizer/compute-sanitizer"))
+    return hits[-1] if hits else None
+
+
+def tool_args(tool: str) -> List[str]:
+    args = ["--tool", tool, "--print-limit", "100000", "--error-exitcode", "1"]
+    if tool == "racecheck":
+        args += ["--racecheck-report", "all"]
+    return args
+
+
+def run_one(san: str, g: Group, tool: str, log_dir: str, timeout: float):
+    cmd = [san] + tool_args(tool) + [sys.executable, os.path.abspath(__file__), "--workload", g.name]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text += f"\n(timed out after {timeout:.0f} s)"
+        rc = -1
+    secs = time.time() - t0
+    with open(os.path.join(log_dir, f"{g.name}_{tool}.log"), "w") as f:
+        f.write(" ".join(cmd) + "\n" + text)
+    return g, tool, text, rc, secs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tools", default=",".join(TOOLS),
+                    help=f"comma-separated subset of {','.join(TOOLS)} (default: all)")
+    ap.add_argument("--groups", default=",".join(GROUP_BY_NAME),
+                    help=f"comma-separated subset of the configuration groups {','.join(GROUP_BY_NAME)} "
+                         "(default: all; `--list` shows them)")
+    ap.add_argument("--log-dir", default="sanitize-logs", help="where each (group, tool) log is written")
+    ap.add_argument("--jobs", type=int, default=6, help="sanitized processes run at once (default 6)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per sanitized process (default 900)")
+    ap.add_argument("--list", action="store_true", help="print the configurations and exit")
+    ap.add_argument("--workload", metavar="GROUP", choices=sorted(GROUP_BY_NAME),
+                    help="run one group in-process (what the sanitized processes execute)")
+    args = ap.parse_args(argv)
+
+    if args.workload:
+        return 1 if run_workload(GROUP_BY_NAME[args.workload]) else 0
+
+    tools = [t for t in args.tools.split(",") if t]
+    groups = [x for x in args.groups.split(",") if x]
+    for t in tools:
+        if t not in TOOLS:
+            ap.error(f"unknown tool {t!r}; choose from {', '.join(TOOLS)}")
+    for x in groups:
+        if x not in GROUP_BY_NAME:
+            ap.error(f"unknown group {x!r}; choose from {', '.join(GROUP_BY_NAME)}")
+    if args.list:
+        for x in groups:
+            g = GROUP_BY_NAME[x]
+            for op in g.ops:
+                print(f"{g.name}  {config_label(g, op)}")
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("sanitize: needs an sm_90 GPU (the sm90 kernels are what it checks); none here")
+        return 2
+    san = find_sanitizer()
+    if san is None:
+        print("sanitize: compute-sanitizer not found (PATH, /usr/local/cuda*/bin)")
+        return 2
+    os.makedirs(args.log_dir, exist_ok=True)
+    print(f"sanitize: {san} on {torch.cuda.get_device_name()}; {len(groups)} groups x {len(tools)} tools; "
+          f"logs in {args.log_dir}/", flush=True)
+
+    jobs = [(GROUP_BY_NAME[x], t) for x in groups for t in tools]
+    bad = 0
+    rows = []
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futs = [pool.submit(run_one, san, g, t, args.log_dir, args.timeout) for g, t in jobs]
+        for fut in futs:
+            g, tool, text, rc, secs = fut.result()
+            per, summary, stray, probes = parse_log(text, tool)
+            for op in g.ops:
+                label = config_label(g, op)
+                t = per.get(label, Tally())
+                ok = t.errors == 0 and t.warnings == 0 and t.check == "ok"
+                bad += not ok
+                first = ("  first: " + t.first[0]) if t.first else ""
+                probe = f" ({t.api_probe} api-probe)" if t.api_probe else ""
+                rows.append(f"{g.name}  {label:<40} {tool:<9} {t.errors:>6} errors {t.warnings:>6} warnings{probe}  "
+                            f"check {t.check}{first}")
+            clean = summary_clean(summary, probes) and (rc == 0 or probes > 0) and not stray
+            bad += not clean
+            rows.append(f"{g.name}  {'(whole process)':<40} {tool:<9} rc={rc} {secs:.0f}s  "
+                        f"{summary or 'no summary (crashed or timed out?)'}"
+                        + (f"  outside markers: {stray[0][:120]}" if stray else ""))
+            print(rows[-1], flush=True)
+    print()
+    for r in rows:
+        print(r)
+    print(f"\nsanitize: {'CLEAN' if bad == 0 else f'{bad} problem line(s)'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
