@@ -171,22 +171,3 @@ class SparseKeyRing:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
 
-
-@dsl_user_op
-def bulk_reduce_add_f32(gmem_addr, smem_addr: Int32, nbytes: int, *, loc=None, ip=None) -> None:
-    """``cp.reduce.async.bulk .add.f32``: add ``nbytes`` (a multiple of 16) of float32 from shared
-    memory (32-bit address, 16-byte aligned) into global memory (64-bit address, 16-byte
-    aligned) -- one instruction, the reduction done by the TMA unit / L2.  Commit with
-    ``cute.arch.cp_async_bulk_commit_group()``; the source may be reused after
-    ``cp_async_bulk_wait_group(0, read=True)``."""
-    from cutlass import Int64
-
-    llvm.inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {int(nbytes)};",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )

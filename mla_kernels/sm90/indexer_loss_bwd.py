@@ -292,7 +292,7 @@ class IndexerLossBwdSm90:
             if kv_row >= 0:
                 dst = dev.gmem_addr_i64(mWs.iterator) + Int64(kv_row) * Int64(row_bytes) + Int64(ch * 256)
                 src = dev.smem_addr_u32(sDk.iterator) + tidx * (DK_PITCH * 4)
-                idev.bulk_reduce_add_f32(dst, src, 256)
+                dev.bulk_reduce_add_f32(dst, src, Int32(256), dev.createpolicy_evict_last())
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         # the staging buffer is rewritten by the next chunk
