@@ -43,3 +43,19 @@ def test_sanitize_indexer_log_parser():
     per, summary, stray, probes = mod.parse(log)
     assert probes == 1 and stray == [] and summary == "ERROR SUMMARY: 2 errors"
     assert per["loss fwd"][:2] == [1, 0] and per["loss fwd"][3] == "ok" and per["topk"][3] == "FAILED"
+
+
+def test_bench_py_runs_the_indexer_family_on_cpu(tmp_path, capsys):
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "tools", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    assert "indexer" in bench.load_families()
+    out = tmp_path / "b.json"
+    bench.main(["--cpu", "--ops", "indexer", "--reps", "20", "--warmup", "0", "--sets", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"indexer_topk_bf16", "indexer_topk_fp8", "indexer_loss_fwd",
+                                       "indexer_loss_fwd_bwd", "indexer_loss_fwd_bwd_det"}
+    assert all(r["impl"] == "reference" and r["ms"] > 0 and r["family"] == "indexer" for r in rows)

@@ -12,8 +12,9 @@ excluded, outputs included).
 FLOPs (reported as TFLOPS beside ms): scores ``2 h d S (S+1) / 2`` (causal pairs only); one
 sparse pass over the selected keys ``2 S topk h d`` (loss forward 1 pass, backward 3).
 
-``rows(args)`` returns the measurements as a list of dicts (``tools/bench.py --ops indexer``
-picks it up); ``python tools/bench_indexer.py`` prints them.
+``rows(args)`` returns the measurements as a list of dicts; ``bench_rows(ctx)`` is the
+``tools/bench.py --ops indexer`` family hook (shapes ``S32k``, ``S64k``; ``S128k`` on request);
+``python tools/bench_indexer.py`` prints them.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sets", type=int, default=2)
 
 
+_ON_CUDA = [True]  # where rows() runs (bench.py --cpu may ask for the CPU on a GPU host)
+
+
 def _time(fn, n_sets, warmup, reps):
     for i in range(warmup):
         fn(i % n_sets)
-    if not torch.cuda.is_available():
+    if not _ON_CUDA[0]:
         times = []
         for i in range(reps):
             t0 = time.perf_counter()
@@ -70,7 +74,7 @@ def _time(fn, n_sets, warmup, reps):
 
 
 def _peak_mib(fn):
-    if not torch.cuda.is_available():
+    if not _ON_CUDA[0]:
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -95,7 +99,7 @@ def _inputs(S, n_sets, dev, seed=0):
 
 def _row(rows, case, backend, S, topk, med, times, flop=None, peak=None, note=""):
     r = dict(op="indexer", case=case, backend=backend, S=S, h_idx=H, d_idx=D, topk=topk, ms=med,
-             min_ms=min(times), max_ms=max(times), reps=len(times),
+             min_ms=min(times), max_ms=max(times), reps=len(times), flop=flop,
              tflops=(flop / (med * 1e-3) / 1e12) if flop else None, peak_mib=peak, note=note)
     rows.append(r)
     tf = f"{r['tflops']:7.1f} TFLOPS" if r["tflops"] else " " * 14
@@ -151,12 +155,14 @@ def _cudnn():
 
 def rows(args):
     """Measure every requested case; returns a list of dicts (one per case x backend x S)."""
-    cuda = torch.cuda.is_available()
+    dev = str(getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.startswith("cuda")
     dev = "cuda" if cuda else "cpu"
+    _ON_CUDA[0] = cuda
     seqs, TOPK = [int(x) for x in args.seqs.split(",")], args.topk
     if not cuda:
-        seqs, TOPK = [256], 32
-        print("NOTE: no CUDA GPU here -- a tiny shape (S 256, topk 32) on the CPU PyTorch reference only; "
+        seqs, TOPK = [128], 16
+        print("NOTE: no CUDA GPU here -- a tiny shape (S 128, topk 16) on the CPU PyTorch reference only; "
               "kernel numbers need an sm_90 GPU (see docs/PERF.md)")
     else:
         print(f"GPU: {torch.cuda.get_device_name()}; backend: {mk.backend_for('cuda')}; "
@@ -289,6 +295,36 @@ def _peer_rows(out, m, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass):
 
         run("loss_fwd", pred, fl_pass)
         run("loss_fwd_bwd", fwd_bwd, 4 * fl_pass)
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/bench.py family hook
+# ---------------------------------------------------------------------------------------------
+
+SHAPES = ("S32k", "S64k", "S128k")
+DESCRIPTION = "indexer: indexer_topk (bf16, fp8) and indexer_loss (fwd, fwd+bwd, deterministic) beside cuDNN"
+
+
+def bench_rows(ctx):
+    """``tools/bench.py --ops indexer``: this tool's rows in bench.py's row format (op
+    ``indexer_<case>``, shape ``S32k`` ..., impl ``ours`` / ``cudnn`` / ``reference``)."""
+    sizes = {"S32k": 32768, "S64k": 65536, "S128k": 131072}
+    if ctx.shapes:
+        seqs = [sizes[n] for n in SHAPES if n in ctx.shapes]
+    else:
+        seqs = [32768, 65536]
+    if not seqs:
+        return []
+    args = argparse.Namespace(seqs=",".join(str(x) for x in seqs), topk=2048, device=ctx.device.type,
+                              cases="topk,topk_fp8,loss,loss_det", no_peer=False, peer_only=False,
+                              reps=ctx.reps, warmup=ctx.warmup, sets=max(1, min(ctx.sets, 2)))
+    out = []
+    for r in rows(args):
+        S = r["S"]
+        shape = next((n for n, v in sizes.items() if v == S), f"S{S}")
+        out.append(dict(r, op=f"indexer_{r['case']}", shape=shape, impl=r["backend"], flops=r.get("flop")))
+        ctx.progress(f"indexer {r['case']} {shape} {r['backend']}: {r['ms']:.3f} ms")
+    return out
 
 
 def main(argv=None):
