@@ -10,7 +10,10 @@ Public API:
   :func:`decode_plan` -- its reusable plan (no allocation per call, CUDA-graph capturable);
 * :func:`merge_attn_partials` -- merge partial results over disjoint parts of the top-k;
 * :func:`backend_for` -- which backend serves a device (``"sm90"``, ``"sm100"``, ``"reference"``);
-* :class:`AttnSum` -- holder receiving ``attn_sum`` from the autograd backward.
+* :class:`AttnSum` -- holder receiving ``attn_sum`` from the autograd backward;
+* :func:`indexer_topk` -- the lightning indexer's exact top-k keys per query (scores streamed);
+* :func:`indexer_logits` -- the indexer's dense scores ``[s_q, s_kv]``;
+* :func:`indexer_loss` -- the indexer's KL loss against the attention distribution (autograd).
 
 Importing the package also registers the ops as ``torch.library`` custom ops
 (``torch.ops.mla_kernels.sparse_mla_fwd``, ``attn_dist``, ``sparse_mla_bwd``; see
@@ -18,6 +21,8 @@ Importing the package also registers the ops as ``torch.library`` custom ops
 """
 
 from .api import attn_dist, decode_plan, merge_attn_partials, sparse_mla_bwd, sparse_mla_decode, sparse_mla_fwd
+from .api_indexer import indexer_logits, indexer_topk
+from .autograd_indexer import indexer_loss
 from .autograd import AttnSum, sparse_mla
 from .decode import DecodePlan
 from .dispatch import BackendUnavailableError, backend_for
@@ -37,4 +42,7 @@ __all__ = [
     "backend_for",
     "AttnSum",
     "BackendUnavailableError",
+    "indexer_topk",
+    "indexer_logits",
+    "indexer_loss",
 ]

@@ -100,6 +100,24 @@ class ReferenceBackend(Backend):
 
     def merge(self, outs, lses, attn_sink, out_dtype):
         return ref.merge_attn_partials_ref(outs, lses, attn_sink, out_dtype)
+    # -- the indexer ----------------------------------------------------------------------------
+    def indexer_logits(self, p):
+        return ref.indexer_logits_ref(p.q, p.k, p.weights, p.sm_scale, p.k_start, p.k_end, p.q_scale, p.k_scale)
+
+    def indexer_topk(self, p, topk, return_logits):
+        res = ref.indexer_topk_ref(p.q, p.k, p.weights, topk, p.sm_scale, p.k_start, p.k_end, p.q_scale,
+                                   p.k_scale, return_logits)
+        if return_logits and res[2].dtype != torch.float64:
+            res = (res[0], res[1], res[2].float())
+        return res
+
+    def indexer_loss_fwd(self, p):
+        return ref.indexer_loss_fwd_ref(p.q, p.k, p.weights, p.indices, p.target, p.sm_scale, p.topk_length,
+                                        p.q_scale, p.k_scale)
+
+    def indexer_loss_bwd(self, p, grad_rows, lse, inv_tsum, deterministic):
+        return ref.indexer_loss_bwd_ref(p.q, p.k, p.weights, p.indices, p.target, grad_rows, lse, inv_tsum,
+                                        p.sm_scale, p.topk_length, deterministic)
 
 
 class _LazyBackend:

@@ -460,3 +460,321 @@ def decode_split_partials_ref(
         lses.append(l_)
         mls.append(m)
     return torch.stack(outs), torch.stack(lses), torch.stack(mls)
+# ---------------------------------------------------------------------------------------------
+# The lightning indexer (the other half of a DSA layer)
+# ---------------------------------------------------------------------------------------------
+#
+# ``q_idx [s_q, h_idx, d_idx]``, ``k_idx [s_kv, d_idx]`` (``[s_kv, 1, d_idx]`` accepted),
+# ``weights [s_q, h_idx]``:
+#
+#     I[t, s] = sm_scale * sum_j weights[t, j] * ReLU(q_idx[t, j] . k_idx[s])
+#
+# float8_e4m3fn inputs come with float32 dequantisation scales ``q_scale [s_q, h_idx]`` and
+# ``k_scale [s_kv]``: q = q8 * q_scale, k = k8 * k_scale (the reference dequantises first).
+# Key range of query t: ``k_start[t] <= s < k_end[t]`` (both clamped to [0, s_kv]); default
+# causal aligned to the end: k_start = 0, k_end[t] = s_kv - s_q + t + 1.  Scores that are NaN
+# rank as -inf (below every number) in the top-k.
+
+__all__ += [
+    "indexer_ranges",
+    "indexer_logits_ref",
+    "indexer_topk_ref",
+    "indexer_loss_fwd_ref",
+    "indexer_loss_bwd_ref",
+    "indexer_loss_ref",
+]
+
+
+def indexer_ranges(s_q: int, s_kv: int, k_start: Optional[torch.Tensor], k_end: Optional[torch.Tensor],
+                   device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)`` int64 ``[s_q]``, clamped to ``[0, s_kv]`` (the causal default where None)."""
+    t = torch.arange(s_q, device=device, dtype=torch.int64)
+    start = torch.zeros(s_q, dtype=torch.int64, device=device) if k_start is None else k_start.to(device).long()
+    end = (s_kv - s_q + t + 1) if k_end is None else k_end.to(device).long()
+    return start.clamp(0, s_kv), end.clamp(0, s_kv)
+
+
+def _dequant(x: torch.Tensor, scale: Optional[torch.Tensor], cdt: torch.dtype) -> torch.Tensor:
+    x = x.to(cdt)
+    if scale is not None:
+        x = x * scale.to(cdt).reshape(*scale.shape, *([1] * (x.dim() - scale.dim())))
+    return x
+
+
+def _indexer_chunk(s_q: int, h: int, n_keys: int, elem: int) -> int:
+    per_row = max(1, h * n_keys * elem * 3 + n_keys * 24)
+    return max(1, min(max(s_q, 1), _CHUNK_BYTES // per_row))
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """``sm_scale * sum_h w[c, h] relu(q[c, h] . k[n])`` -> ``[c, n]`` (all in the compute dtype)."""
+    a = torch.einsum("chd,nd->chn", q, k).clamp_min_(0)
+    return torch.einsum("chn,ch->cn", a, w) * sm_scale
+
+
+@torch.no_grad()
+def indexer_logits_ref(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    sm_scale: float = 1.0,
+    k_start: Optional[torch.Tensor] = None,
+    k_end: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The dense indexer scores ``[s_q, s_kv]`` (float32; float64 for float64 inputs), ``-inf``
+    outside each row's key range."""
+    s_q, h, _ = q_idx.shape
+    k2 = _as_2d_kv(k_idx)
+    s_kv = k2.shape[0]
+    cdt = compute_dtype(q_idx.dtype)
+    out = torch.full((s_q, s_kv), -math.inf, dtype=cdt, device=q_idx.device)
+    if s_q == 0 or s_kv == 0:
+        return out
+    start, end = indexer_ranges(s_q, s_kv, k_start, k_end, q_idx.device)
+    kd = _dequant(k2, None if k_scale is None else k_scale.reshape(-1), cdt)
+    col = torch.arange(s_kv, device=q_idx.device)
+    step = _indexer_chunk(s_q, h, s_kv, torch.finfo(cdt).bits // 8)
+    for c0 in range(0, s_q, step):
+        c1 = min(s_q, c0 + step)
+        qc = _dequant(q_idx[c0:c1], None if q_scale is None else q_scale[c0:c1], cdt)
+        s = _scores(qc, kd, weights[c0:c1].to(cdt), sm_scale)
+        inr = (col[None, :] >= start[c0:c1, None]) & (col[None, :] < end[c0:c1, None])
+        out[c0:c1] = torch.where(inr, s, torch.full_like(s, -math.inf))
+    return out
+
+
+@torch.no_grad()
+def indexer_topk_ref(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    topk: int,
+    sm_scale: float = 1.0,
+    k_start: Optional[torch.Tensor] = None,
+    k_end: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    return_logits: bool = False,
+):
+    """Exact top-k of the indexer scores per row, over the row's key range.
+
+    The ``topk`` keys of largest score; equal scores go to the smaller key index (so the set is
+    exact and deterministic); NaN ranks as -inf; a row with fewer keys in range takes them all.
+    Rows are processed in chunks sized so that ``[s_q, s_kv]`` is never held whole.
+
+    Returns ``(indices [s_q, topk] int32`` -- the chosen keys in ascending order, then -1 --,
+    ``topk_length [s_q] int32``) and, with ``return_logits``, ``logits [s_q, topk]`` (float32;
+    float64 for float64 inputs) of the returned slots, -inf at -1.
+    """
+    s_q, h, _ = q_idx.shape
+    k2 = _as_2d_kv(k_idx)
+    s_kv = k2.shape[0]
+    dev = q_idx.device
+    cdt = compute_dtype(q_idx.dtype)
+    indices = torch.full((s_q, topk), -1, dtype=torch.int32, device=dev)
+    length = torch.zeros(s_q, dtype=torch.int32, device=dev)
+    logits = torch.full((s_q, topk), -math.inf, dtype=cdt, device=dev) if return_logits else None
+    if s_q == 0 or s_kv == 0:
+        return (indices, length, logits) if return_logits else (indices, length)
+    start, end = indexer_ranges(s_q, s_kv, k_start, k_end, dev)
+    kd = _dequant(k2, None if k_scale is None else k_scale.reshape(-1), cdt)
+    col = torch.arange(s_kv, device=dev)
+    slot = torch.arange(topk, device=dev)
+    step = _indexer_chunk(s_q, h, s_kv, torch.finfo(cdt).bits // 8)
+    for c0 in range(0, s_q, step):
+        c1 = min(s_q, c0 + step)
+        qc = _dequant(q_idx[c0:c1], None if q_scale is None else q_scale[c0:c1], cdt)
+        s = _scores(qc, kd, weights[c0:c1].to(cdt), sm_scale)
+        s = torch.nan_to_num(s, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        inr = (col[None, :] >= start[c0:c1, None]) & (col[None, :] < end[c0:c1, None])
+        # Lexicographic (in range, score, -index) by two stable sorts: score first, then range.
+        order = torch.sort(s, dim=1, descending=True, stable=True).indices
+        by_range = torch.sort(inr.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True).indices
+        order = order.gather(1, by_range)[:, : min(topk, s_kv)]
+        n = (end[c0:c1] - start[c0:c1]).clamp_min(0).clamp_max(topk)
+        keep = slot[None, : order.shape[1]] < n[:, None]
+        chosen = torch.where(keep, order, torch.full_like(order, s_kv))  # s_kv sorts last
+        chosen = torch.sort(chosen, dim=1).values
+        ok = chosen < s_kv
+        idx_c = torch.where(ok, chosen, torch.full_like(chosen, -1))
+        indices[c0:c1, : idx_c.shape[1]] = idx_c.to(torch.int32)
+        length[c0:c1] = n.to(torch.int32)
+        if return_logits:
+            vals = s.gather(1, chosen.clamp_max(s_kv - 1))
+            logits[c0:c1, : idx_c.shape[1]] = torch.where(ok, vals, torch.full_like(vals, -math.inf))
+    return (indices, length, logits) if return_logits else (indices, length)
+
+
+def _loss_valid(indices: torch.Tensor, s_kv: int, topk_length: Optional[torch.Tensor]) -> torch.Tensor:
+    return valid_mask(indices, s_kv, topk_length)
+
+
+def _selected_scores(q, k2, w, idx, vld, sm_scale, cdt, q_scale=None, k_scale=None):
+    """``(a [c, h, topk] = q . k_sel, I [c, topk], k_sel [c, topk, d])`` of one chunk of rows."""
+    qc = _dequant(q, q_scale, cdt)
+    safe = torch.where(vld, idx, torch.zeros_like(idx)).long()
+    ksel = k2.index_select(0, safe.reshape(-1)).reshape(*idx.shape, k2.shape[-1])
+    ks = None if k_scale is None else k_scale.reshape(-1).index_select(0, safe.reshape(-1)).reshape(idx.shape)
+    ksel = _dequant(ksel, ks, cdt) * vld[..., None].to(cdt)
+    a = torch.einsum("chd,ctd->cht", qc, ksel)
+    logit = torch.einsum("cht,ch->ct", a.clamp_min(0), w.to(cdt)) * sm_scale
+    return a, logit, ksel, qc
+
+
+@torch.no_grad()
+def indexer_loss_fwd_ref(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    target: torch.Tensor,
+    sm_scale: float = 1.0,
+    topk_length: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+):
+    """The indexer's KL loss per row, ``(loss [s_q], lse [s_q], inv_tsum [s_q])``.
+
+    Per row t over its valid slots j (``0 <= indices < s_kv`` and ``j < topk_length``):
+    ``I_tj`` the indexer score of key ``indices[t, j]``; ``p = target / sum(target)``;
+    ``pi = softmax(I)``; ``loss_t = sum_j p (log p - log pi)`` with ``0 log 0 = 0``.  A row with
+    no valid slot or a zero target sum gives 0 (and ``inv_tsum = 0``, which makes its gradient 0).
+    ``lse`` is the natural-log ``logsumexp`` of the valid ``I`` (0 on inactive rows): with
+    ``inv_tsum`` it is what the backward needs.  Compute dtype float32 (float64 for float64).
+    """
+    s_q, h, _ = q_idx.shape
+    k2 = _as_2d_kv(k_idx)
+    idx2 = _as_2d_indices(indices)
+    s_kv, topk = k2.shape[0], idx2.shape[1]
+    cdt = compute_dtype(q_idx.dtype)
+    dev = q_idx.device
+    loss = torch.zeros(s_q, dtype=cdt, device=dev)
+    lse = torch.zeros(s_q, dtype=cdt, device=dev)
+    inv_tsum = torch.zeros(s_q, dtype=cdt, device=dev)
+    if s_q == 0 or topk == 0 or s_kv == 0:
+        return loss, lse, inv_tsum
+    valid = _loss_valid(idx2, s_kv, topk_length)
+    step = _indexer_chunk(s_q, h, topk, torch.finfo(cdt).bits // 8)
+    for c0 in range(0, s_q, step):
+        c1 = min(s_q, c0 + step)
+        vld = valid[c0:c1]
+        _, logit, _, _ = _selected_scores(
+            q_idx[c0:c1], k2, weights[c0:c1], idx2[c0:c1], vld, sm_scale, cdt,
+            None if q_scale is None else q_scale[c0:c1], k_scale,
+        )
+        tgt = torch.where(vld, target[c0:c1].to(cdt), torch.zeros((), dtype=cdt, device=dev))
+        tsum = tgt.sum(dim=1)
+        active = vld.any(dim=1) & (tsum > 0)
+        inv = torch.where(active, 1.0 / torch.where(active, tsum, torch.ones_like(tsum)), torch.zeros_like(tsum))
+        p = tgt * inv[:, None]
+        masked = logit.masked_fill(~vld, -math.inf)
+        l_ = torch.logsumexp(masked, dim=1)
+        l_ = torch.where(active, l_, torch.zeros_like(l_))
+        logp = torch.log(torch.where(p > 0, p, torch.ones_like(p)))
+        logpi = torch.where(vld, logit - l_[:, None], torch.zeros_like(logit))
+        term = torch.where(p > 0, p * (logp - logpi), torch.zeros_like(p))
+        loss[c0:c1] = torch.where(active, term.sum(dim=1), torch.zeros_like(tsum))
+        lse[c0:c1] = l_
+        inv_tsum[c0:c1] = inv
+    return loss, lse, inv_tsum
+
+
+@torch.no_grad()
+def indexer_loss_bwd_ref(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    lse: torch.Tensor,
+    inv_tsum: torch.Tensor,
+    sm_scale: float = 1.0,
+    topk_length: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+):
+    """Gradients of ``sum_t grad_rows[t] * loss_t`` (:func:`indexer_loss_fwd_ref`'s loss) with
+    respect to ``q_idx``, ``k_idx`` and ``weights``, written out:
+
+    * ``dI_tj = (pi_tj - p_tj) * g_t`` on valid slots of active rows (``inv_tsum > 0``), where
+      ``pi = exp(I - lse)`` and ``p = target * inv_tsum``;
+    * with ``a_thj = q_th . k_j`` and ``m = [a > 0]`` (ReLU' = 1 where the product is > 0):
+      ``dweights_th = sm_scale sum_j dI_tj relu(a_thj)``,
+      ``dq_th = sm_scale sum_j dI_tj w_th m_thj k_j``,
+      ``dk[indices_tj] += sm_scale dI_tj sum_h w_th m_thj q_th`` (scatter-added over every valid
+      slot; ``deterministic`` makes the scatter bitwise reproducible on CUDA too).
+
+    Returns ``(dq, dk, dweights)`` in the inputs' dtypes and shapes.
+    """
+    k_shape = k_idx.shape
+    s_q, h, d = q_idx.shape
+    k2 = _as_2d_kv(k_idx)
+    idx2 = _as_2d_indices(indices)
+    s_kv, topk = k2.shape[0], idx2.shape[1]
+    cdt = compute_dtype(q_idx.dtype)
+    dev = q_idx.device
+    dq = torch.zeros(s_q, h, d, dtype=cdt, device=dev)
+    dk = torch.zeros(s_kv, d, dtype=cdt, device=dev)
+    dw = torch.zeros(s_q, h, dtype=cdt, device=dev)
+    if s_q > 0 and topk > 0 and s_kv > 0:
+        valid = _loss_valid(idx2, s_kv, topk_length)
+        g_all = grad_rows.to(cdt) * (inv_tsum.to(cdt) > 0).to(cdt)
+        step = _indexer_chunk(s_q, h, topk, torch.finfo(cdt).bits // 8)
+        for c0 in range(0, s_q, step):
+            c1 = min(s_q, c0 + step)
+            vld = valid[c0:c1]
+            w = weights[c0:c1].to(cdt)
+            a, logit, ksel, qc = _selected_scores(q_idx[c0:c1], k2, w, idx2[c0:c1], vld, sm_scale, cdt)
+            pi = torch.where(vld, torch.exp(logit - lse[c0:c1].to(cdt)[:, None]), torch.zeros_like(logit))
+            p = torch.where(vld, target[c0:c1].to(cdt) * inv_tsum[c0:c1].to(cdt)[:, None], torch.zeros_like(logit))
+            d_i = (pi - p) * g_all[c0:c1, None]
+            dw[c0:c1] = torch.einsum("ct,cht->ch", d_i, a.clamp_min(0)) * sm_scale
+            ds = (d_i[:, None, :] * w[:, :, None] * (a > 0).to(cdt)) * sm_scale  # [c, h, topk]
+            dq[c0:c1] = torch.einsum("cht,ctd->chd", ds, ksel)
+            dk_slot = torch.einsum("cht,chd->ctd", ds, qc)
+            safe = torch.where(vld, idx2[c0:c1], torch.zeros_like(idx2[c0:c1])).long()
+            sel = vld.reshape(-1)
+            scatter_add_rows(dk, safe.reshape(-1)[sel], dk_slot.reshape(-1, d)[sel], deterministic)
+    return dq.to(q_idx.dtype), dk.to(k_idx.dtype).reshape(k_shape), dw.to(weights.dtype)
+
+
+def indexer_loss_ref(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    target: torch.Tensor,
+    sm_scale: float = 1.0,
+    topk_length: Optional[torch.Tensor] = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """The indexer KL loss by plain autograd-able torch ops (an independent check of the
+    written-out forward/backward above; small problems only).  Differentiable in ``q_idx``,
+    ``k_idx`` and ``weights``; ``target`` is a constant."""
+    s_q, h, _ = q_idx.shape
+    k2 = _as_2d_kv(k_idx)
+    idx2 = _as_2d_indices(indices)
+    s_kv, topk = k2.shape[0], idx2.shape[1]
+    cdt = compute_dtype(q_idx.dtype)
+    valid = _loss_valid(idx2, s_kv, topk_length)
+    safe = torch.where(valid, idx2, torch.zeros_like(idx2)).long()
+    ksel = k2.to(cdt)[safe.reshape(-1)].reshape(s_q, topk, -1) * valid[..., None].to(cdt)
+    a = torch.einsum("chd,ctd->cht", q_idx.to(cdt), ksel)
+    logit = torch.einsum("cht,ch->ct", torch.relu(a), weights.to(cdt)) * sm_scale
+    tgt = torch.where(valid, target.detach().to(cdt), torch.zeros((), dtype=cdt))
+    tsum = tgt.sum(dim=1)
+    active = valid.any(dim=1) & (tsum > 0)
+    p = tgt / torch.where(active, tsum, torch.ones_like(tsum))[:, None]
+    masked = logit.masked_fill(~valid, -math.inf)
+    lse = torch.logsumexp(torch.where(active[:, None], masked, torch.zeros_like(masked)), dim=1)
+    logpi = torch.where(valid, logit - lse[:, None], torch.zeros_like(logit))
+    logp = torch.log(torch.where(p > 0, p, torch.ones_like(p)))
+    rows = torch.where(p > 0, p * (logp - logpi), torch.zeros_like(p)).sum(dim=1)
+    rows = torch.where(active, rows, torch.zeros_like(rows))
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / max(s_q, 1)

@@ -76,6 +76,7 @@ def kernels_for(arch):
             ("sm90_decode_narrow_d576_h8_split", lambda a, **kw: compile_decode_narrow(576, 8, True, a, **kw)),
             ("combine_f32_bf16_d512", lambda a, **kw: compile_combine(512, "f32", "bf16", a, **kw)),
             ("combine_bf16_bf16_d512", lambda a, **kw: compile_combine(512, "bf16", "bf16", a, **kw)),
+        ] + indexer_kernels() + [
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     if arch in ("sm_100a", "sm_103a"):
@@ -109,6 +110,24 @@ def kernels_for(arch):
             ("probe", lambda a, **kw: compile_probe(a, **kw)),
         ]
     return [("probe", lambda a, **kw: compile_probe(a, **kw))]
+
+
+def indexer_kernels():
+    """The sm90 indexer kernels (scores bf16 / fp8, top-k, loss forward / backward)."""
+    from mla_kernels.sm90.indexer_loss_bwd import compile_loss_bwd
+    from mla_kernels.sm90.indexer_loss_fwd import compile_loss_fwd
+    from mla_kernels.sm90.indexer_score import compile_score
+    from mla_kernels.sm90.indexer_topk import compile_topk
+
+    return [
+        ("sm90_indexer_score_bf16_h64_d128", lambda a, **kw: compile_score(False, 64, 128, a, **kw)),
+        ("sm90_indexer_score_fp8_h64_d128", lambda a, **kw: compile_score(True, 64, 128, a, **kw)),
+        ("sm90_indexer_score_bf16_h16_d64", lambda a, **kw: compile_score(False, 16, 64, a, **kw)),
+        ("sm90_indexer_topk_logits", lambda a, **kw: compile_topk(True, a, **kw)),
+        ("sm90_indexer_loss_fwd_d128", lambda a, **kw: compile_loss_fwd(128, False, 2048, a, **kw)),
+        ("sm90_indexer_loss_bwd_d128", lambda a, **kw: compile_loss_bwd(128, False, False, a, **kw)),
+        ("sm90_indexer_loss_bwd_d128_det_topklen", lambda a, **kw: compile_loss_bwd(128, True, True, a, **kw)),
+    ]
 
 
 def find_nvdisasm():

@@ -7,7 +7,9 @@ into a :class:`~mla_kernels.common.problem.Problem`, asks ``dispatch`` for a bac
 Ops are named ``"fwd"``, ``"attn_dist"``, ``"bwd"``, ``"decode"`` (split-top-k decode on a
 paged cache, driven by a :class:`~mla_kernels.decode.DecodePlan`) and ``"merge"`` (the lse merge
 of partial results).  For ``decode`` and ``merge`` ``supports`` receives the plan / a
-:class:`~mla_kernels.common.problem.MergeProblem` instead of a ``Problem``.
+:class:`~mla_kernels.common.problem.MergeProblem` instead of a ``Problem``; for ``INDEXER_OPS``
+(the lightning indexer) an :class:`~mla_kernels.common.problem.IndexerProblem` or
+``IndexerLossProblem``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from .problem import Problem
 
-OPS = ("fwd", "attn_dist", "bwd", "decode", "merge")
+INDEXER_OPS = ("indexer_logits", "indexer_topk", "indexer_loss_fwd", "indexer_loss_bwd")
+OPS = ("fwd", "attn_dist", "bwd", "decode", "merge") + INDEXER_OPS
 
 
 class Backend:
@@ -80,4 +83,19 @@ class Backend:
               out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(out [R, h, d_v], lse [R, h])`` of ``n`` partials ``outs [n, R, h, d_v]``, ``lses [n, R, h]``
         (contiguous; ``R`` = the flattened leading dims), ``attn_sink [h]`` float32 or None."""
+    # -- indexer ops (problems: common.problem.IndexerProblem / IndexerLossProblem) -------------
+    def indexer_logits(self, p) -> torch.Tensor:
+        """Dense scores ``[s_q, s_kv]`` float32, -inf outside each row's key range."""
+        raise NotImplementedError
+
+    def indexer_topk(self, p, topk: int, return_logits: bool):
+        """``(indices [s_q, topk] int32, topk_length [s_q] int32[, logits [s_q, topk]])``."""
+        raise NotImplementedError
+
+    def indexer_loss_fwd(self, p):
+        """``(loss [s_q], lse [s_q], inv_tsum [s_q])`` -- see ``reference.indexer_loss_fwd_ref``."""
+        raise NotImplementedError
+
+    def indexer_loss_bwd(self, p, grad_rows, lse, inv_tsum, deterministic: bool):
+        """``(dq, dk, dweights)`` -- see ``reference.indexer_loss_bwd_ref``."""
         raise NotImplementedError

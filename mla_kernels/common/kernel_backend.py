@@ -16,7 +16,7 @@ import torch
 
 from .. import _compile
 from . import host
-from .backend import Backend
+from .backend import INDEXER_OPS, Backend
 from .problem import Problem
 
 D_V = 512
@@ -151,7 +151,14 @@ class CuteKernelBackend(Backend):
             CuteKernelBackend._dsl_checked = True
         return CuteKernelBackend._dsl_error
 
+    def indexer_supports(self, op: str, p) -> Optional[str]:
+        """None if this backend has a kernel for indexer ``op`` on ``p`` (a subclass with indexer
+        kernels overrides this and the ``indexer_*`` methods)."""
+        return f"no {self.name} indexer kernels (the PyTorch reference serves the indexer)"
+
     def supports(self, op: str, p: Problem) -> Optional[str]:
+        if op in INDEXER_OPS:
+            return self.indexer_supports(op, p)
         if op not in OPS_SERVED:
             return f"no {self.name} {op} kernel"
         if p.dtype != torch.bfloat16:

@@ -78,3 +78,105 @@ class MergeProblem:
     out_dtype: torch.dtype
     d_v: int
     h_q: int
+
+
+@dataclass(frozen=True)
+class IndexerProblem:
+    """Normalised inputs of one indexer score / top-k call (contiguous, one device):
+
+    * ``q [s_q, h_idx, d_idx]`` and ``k [s_kv, d_idx]`` in one dtype (bfloat16, float16, float32,
+      float64 or float8_e4m3fn); ``k_shape`` is the caller's shape of ``k``;
+    * ``weights [s_q, h_idx]`` float32 (float64 for float64 problems);
+    * ``k_start``, ``k_end`` ``[s_q]`` int32, clamped to ``[0, s_kv]`` (the causal default filled in);
+    * ``q_scale [s_q, h_idx]``, ``k_scale [s_kv]`` float32 for float8 inputs, else None.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    sm_scale: float
+    k_start: torch.Tensor
+    k_end: torch.Tensor
+    q_scale: Optional[torch.Tensor]
+    k_scale: Optional[torch.Tensor]
+    k_shape: torch.Size
+
+    @property
+    def s_q(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def h(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def s_kv(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.q.dtype == torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class IndexerLossProblem:
+    """Normalised inputs of the indexer loss: ``q``, ``k``, ``weights`` as in
+    :class:`IndexerProblem` except that ``weights`` keeps the caller's dtype (its gradient is
+    returned in it); ``indices [s_q, topk]`` int32 (out-of-range values mapped to -1);
+    ``target [s_q, topk]`` float32 (float64 for float64 problems), detached;
+    ``topk_length [s_q]`` int32 clamped to ``[0, topk]`` or None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+    target: torch.Tensor
+    sm_scale: float
+    topk_length: Optional[torch.Tensor]
+    q_scale: Optional[torch.Tensor]
+    k_scale: Optional[torch.Tensor]
+    k_shape: torch.Size
+
+    @property
+    def s_q(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def h(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def s_kv(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def topk(self) -> int:
+        return self.indices.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.q.dtype == torch.float8_e4m3fn

@@ -2,7 +2,9 @@
 
 ``BACKEND`` is what ``mla_kernels.dispatch`` uses.  Kernels live one per file:
 ``fwd.py`` (sparse forward), ``attn_dist.py`` (attention distribution), ``bwd.py`` (backward:
-dQ, dKV and optionally the attention sum).  The backward's small host-side pieces (lse' and
+dQ, dKV and optionally the attention sum); the lightning indexer's ``indexer_score.py``,
+``indexer_topk.py``, ``indexer_loss_fwd.py`` and ``indexer_loss_bwd.py`` with their host side in
+``indexer_host.py``.  The backward's small host-side pieces (lse' and
 delta' per row, the dKV workspace conversion, the deterministic mode's fixed-order reduction,
 d_attn_sink) live in ``common/bwd_host.py`` (shared with sm100).
 """
@@ -130,6 +132,33 @@ class Sm90Backend(CuteKernelBackend):
         has_tl = p.topk_length is not None
         return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch),
                       lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch))
+
+
+    # -- the indexer (host side in indexer_host.py) ---------------------------------------------
+    def indexer_supports(self, op: str, p) -> Optional[str]:
+        from . import indexer_host
+
+        return indexer_host.supports(op, p)
+
+    def indexer_logits(self, p):
+        from . import indexer_host
+
+        return indexer_host.run_logits(p)
+
+    def indexer_topk(self, p, topk, return_logits):
+        from . import indexer_host
+
+        return indexer_host.run_topk(p, topk, return_logits)
+
+    def indexer_loss_fwd(self, p):
+        from . import indexer_host
+
+        return indexer_host.run_loss_fwd(p)
+
+    def indexer_loss_bwd(self, p, grad_rows, lse, inv_tsum, deterministic):
+        from . import indexer_host
+
+        return indexer_host.run_loss_bwd(p, grad_rows, lse, inv_tsum, deterministic)
 
 
 BACKEND = Sm90Backend()

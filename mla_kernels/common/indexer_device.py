@@ -1,0 +1,173 @@
+"""CuTe DSL device helpers of the indexer kernels (scores, top-k, loss).
+
+* :func:`quad_reduce_scatter` -- sums per-lane partial values over the 4 lanes of a quad of a
+  wgmma accumulator fragment (the lanes that share a row), leaving each lane a quarter of them;
+* :func:`weighted_relu_rows` -- ``sum_c w[c] * relu(acc[row, c])`` over column groups of a
+  64 x N accumulator fragment (the indexer's head reduction);
+* :func:`ordered_key` -- a float32 as a uint32 whose unsigned order is the float order (NaN as
+  -inf, -0 as +0): the radix top-k's key;
+* :func:`block_exclusive_sum` -- exclusive prefix sum of one Int32 per thread over a CTA;
+* :func:`f32_bits` / :func:`u32_as_f32` -- bit casts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .device import acc_flat
+
+
+@dsl_user_op
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
+    """The bit pattern of a float32."""
+    return Uint32(llvm.inline_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+                                  has_side_effects=False, is_align_stack=False,
+                                  asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def u32_as_f32(x: Uint32, *, loc=None, ip=None) -> Float32:
+    """The float32 with bit pattern ``x``."""
+    return Float32(llvm.inline_asm(T.f32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def ordered_key(x: Float32) -> Uint32:
+    """``x`` as a uint32 key whose unsigned order is the float order.  NaN maps to the key of
+    -inf (it ranks below every number) and -0.0 to the key of +0.0 (they compare equal)."""
+    x = Float32(cutlass.select_(x == x, x, Float32(-math.inf)))
+    bits = f32_bits(x)
+    neg = (bits & Uint32(0x80000000)) != Uint32(0)
+    key = Uint32(cutlass.select_(neg, ~bits, bits | Uint32(0x80000000)))
+    return Uint32(cutlass.select_(x == Float32(0.0), Uint32(0x80000000), key))
+
+
+def quad_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32) -> None:
+    """Sum ``vals[0:n]`` (``n`` a multiple of 4) over the 4 lanes of this lane's quad
+    (``lane ^ 1``, ``lane ^ 2``) by a reduce-scatter: afterwards lane ``q = lane % 4`` holds the
+    sums of the original elements ``[q n/4, (q+1) n/4)`` in ``vals[0:n/4]``.  ``3n/4`` shuffles
+    instead of ``2n``.  All lanes call it."""
+    for off in (2, 1):
+        upper = (lane & off) != 0
+        half = n // 2
+        for k in range(half):
+            send = Float32(cutlass.select_(upper, vals[k], vals[k + half]))
+            keep = Float32(cutlass.select_(upper, vals[k + half], vals[k]))
+            vals[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
+        n = half
+
+
+def weighted_relu_rows(acc: cute.Tensor, sW: cute.Tensor, w_off: Int32, col0: int, n_cols: int,
+                       lane_quad: Int32):
+    """``(row 0 sum, row 1 sum)`` of ``sW[w_off + c] * relu(acc[row, c])`` over this thread's
+    columns ``c`` in ``[col0, col0 + n_cols)`` (``col0``, ``n_cols`` multiples of 8) of a wgmma
+    accumulator fragment.  Partial: the quad's 4 lanes hold disjoint columns."""
+    s0 = Float32(0.0)
+    s1 = Float32(0.0)
+    for g in range(col0 // 8, (col0 + n_cols) // 8):
+        for v0 in range(2):
+            w = sW[w_off + 8 * g + 2 * lane_quad + v0]
+            s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
+            s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
+    return s0, s1
+
+
+def warp_inclusive_sum(x: Int32, lane: Int32) -> Int32:
+    """Inclusive prefix sum of ``x`` over the lanes of a warp (5 shuffles)."""
+    for off in (1, 2, 4, 8, 16):
+        y = cute.arch.shuffle_sync_up(x, offset=off)
+        x = x + Int32(cutlass.select_(lane >= off, y, Int32(0)))
+    return x
+
+
+@cute.jit
+def block_exclusive_sum(x: Int32, sScratch: cute.Tensor, tidx: Int32, n_warps: cutlass.Constexpr,
+                        barrier_id: cutlass.Constexpr, n_threads: cutlass.Constexpr):
+    """``(exclusive prefix of x over threads 0..tidx-1, total)`` over ``n_threads`` threads
+    (``n_warps`` warps, ``n_warps <= 32``).  ``sScratch`` holds ``n_warps`` Int32; two named
+    barriers (``barrier_id``) are used, so the scratch may be reused after the call."""
+    lane = tidx % 32
+    warp = tidx // 32
+    inc = warp_inclusive_sum(x, lane)
+    if lane == 31:
+        sScratch[warp] = inc
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=n_threads)
+    before = Int32(0)
+    total = Int32(0)
+    for w in cutlass.range_constexpr(n_warps):
+        v = sScratch[w]
+        before = before + Int32(cutlass.select_(Int32(w) < warp, v, Int32(0)))
+        total = total + v
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=n_threads)
+    return before + inc - x, total
+
+
+@cute.jit
+def block_reduce(x: Float32, is_max: cutlass.Constexpr, sRed: cute.Tensor, tidx: Int32, n_warps: cutlass.Constexpr,
+                 barrier_id: cutlass.Constexpr) -> Float32:
+    """Sum (or max) of ``x`` over the ``32 n_warps`` threads; every thread gets the result.
+    ``sRed`` holds ``n_warps`` floats; two named barriers, so it may be reused after the call."""
+    for off in cutlass.range_constexpr(5):
+        y = cute.arch.shuffle_sync_bfly(x, offset=16 >> off)
+        if const_expr(is_max):
+            x = cute.arch.fmax(x, y)
+        else:
+            x = x + y
+    if tidx % 32 == 0:
+        sRed[tidx // 32] = x
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=32 * n_warps)
+    r = sRed[0]
+    for w in cutlass.range_constexpr(1, n_warps):
+        if const_expr(is_max):
+            r = cute.arch.fmax(r, sRed[w])
+        else:
+            r = r + sRed[w]
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=32 * n_warps)
+    return r
+
+
+class SparseKeyRing:
+    """The selected key rows of one query, 64 slots per block, through a ring of ``stages`` smem
+    buffers filled by ``cp.async`` from all 128 threads of a warpgroup
+    (:class:`~mla_kernels.common.gather.KvGather`: invalid slots zero-filled, the K-major SW128
+    layout wgmma reads).  Completion is tracked with cp.async groups: one group per block, always
+    committed (empty past the last block) so that ``wait`` can keep ``stages - 1`` in flight."""
+
+    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32):
+        from .gather import KvGather
+
+        self.gather = KvGather(mK, mIdx, t, topk_len, tidx, d, slots=1)
+        self.stages = stages
+        self.base = base_addr
+        self.stage_bytes = 64 * d * 2
+        self.n_tiles = d // 64
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    @cute.jit
+    def issue(self, block: Int32, num_blocks: Int32) -> None:
+        """cp.async block ``block`` into stage ``block % stages`` (nothing past the last block),
+        then commit a group."""
+        if block < num_blocks:
+            self.gather.load_indices(block, 0)
+            self.gather.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def wait(self, barrier_id: cutlass.Constexpr) -> None:
+        """The oldest outstanding block has landed for every thread and is visible to wgmma."""
+        cute.arch.cp_async_wait_group(self.stages - 1)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+

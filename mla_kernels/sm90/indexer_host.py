@@ -1,0 +1,240 @@
+"""Host side of the sm90 indexer kernels: which calls they serve, input preparation, workspaces,
+launches.
+
+* ``indexer_topk``: the query rows are processed in blocks of ``rows`` through one float32
+  workspace ``[rows, s_kv]`` of at most :data:`WORKSPACE_BYTES` (512 MiB: 4096 rows at
+  s_kv 32k, 2048 at 64k, 1024 at 128k): the score kernel (``indexer_score.py``) fills the
+  block's in-range scores, the top-k kernel (``indexer_topk.py``) selects each row's keys.  The
+  ``[s_q, s_kv]`` scores are never held whole.
+* ``indexer_logits``: the score kernel into the caller's ``[s_q, s_kv]`` output, pre-filled with
+  ``-inf`` (the kernel skips key tiles outside every range of a query tile).
+* ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
+  ``topk`` padded to a multiple of 64 with -1 slots (target 0); ``dk`` accumulated in a float32
+  ``[s_kv, d]`` workspace (16-byte float atomics), or with ``deterministic`` written per slot
+  into a workspace of at most :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave
+  of queries and summed per key in a fixed order (stable sort + segment sum, as the attention
+  backward's deterministic mode).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .. import _compile
+from ..common import host
+from ..common.kernel_backend import cached
+
+#: Upper bound of the top-k's score workspace (float32 rows of s_kv scores).
+WORKSPACE_BYTES = 512 << 20
+#: How the loss backward adds dk: ``red`` (16-byte float atomics from registers) or ``bulk``
+#: (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
+ENV_DK = "MLA_KERNELS_INDEXER_DK"
+#: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
+#: step, the first version's behaviour; default 4).
+ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
+FP8 = torch.float8_e4m3fn
+SCORE_BN = 256  # the score kernel's (query, head) columns per CTA
+SCORE_BM = 64  # its key rows per tile
+
+
+def _arch(p) -> str:
+    return _compile.arch_for_device(p.device)
+
+
+def supports(op: str, p) -> Optional[str]:
+    """None if the sm90 indexer kernels serve ``op`` for ``p``, else why not."""
+    if op in ("indexer_logits", "indexer_topk"):
+        if p.dtype not in (torch.bfloat16, FP8):
+            return f"dtype {p.dtype} (the indexer kernels take bfloat16 or float8_e4m3fn)"
+        if p.h not in (16, 32, 64):
+            return f"h_idx={p.h} (the score kernel takes 16, 32 or 64)"
+        if p.d not in (64, 128):
+            return f"d_idx={p.d} (the score kernel takes 64 or 128)"
+        if p.s_kv >= 2**31 - SCORE_BM or p.s_q * p.h >= 2**31 - SCORE_BN:
+            return "sizes beyond int32 indexing"
+        return None
+    from .indexer_loss_fwd import MAX_TOPK
+
+    if p.dtype != torch.bfloat16:
+        return f"dtype {p.dtype} (the loss kernels take bfloat16)"
+    if p.h != 64:
+        return f"h_idx={p.h} (the loss kernels take 64)"
+    if p.d not in (64, 128):
+        return f"d_idx={p.d} (the loss kernels take 64 or 128)"
+    if -(-p.topk // 64) * 64 > MAX_TOPK:
+        return f"topk={p.topk} (the loss kernels take at most {MAX_TOPK})"
+    if p.s_kv >= 2**31:
+        return "s_kv beyond int32 indexing"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores and top-k
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` (2-D) with at least ``rows`` rows (zeros appended; a byte view keeps float8 exact):
+    a TMA box must not be taller than the tensor."""
+    if x.shape[0] >= rows:
+        return x
+    out = torch.zeros(rows, x.shape[1] * x.element_size(), dtype=torch.uint8, device=x.device)
+    out[: x.shape[0]] = x.view(torch.uint8)
+    return out.view(x.dtype)
+
+
+def _score_inputs(p):
+    fp8 = p.is_fp8
+    q2 = _pad_rows(p.q.view(p.s_q * p.h, p.d), SCORE_BN)
+    k = _pad_rows(p.k, SCORE_BM)
+    w_eff = p.weights.float() * p.sm_scale
+    if fp8:
+        w_eff = w_eff * p.q_scale
+    ks = p.k_scale if fp8 else host.dummy(torch.float32, p.device)
+    return q2, k, w_eff.reshape(-1).contiguous(), ks
+
+
+def _score_fn(p):
+    from .indexer_score import compile_score
+
+    fp8, arch = p.is_fp8, _arch(p)
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, arch), lambda: compile_score(fp8, p.h, p.d, arch))
+
+
+def _topk_fn(p, return_logits: bool):
+    from .indexer_topk import compile_topk
+
+    arch = _arch(p)
+    batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
+    if batch not in (1, 2, 4, 8):
+        raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
+    return cached(("IndexerTopkSm90", return_logits, batch, arch),
+                  lambda: compile_topk(return_logits, arch, batch=batch))
+
+
+#: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.
+ROW_ALIGN = 32
+
+
+def block_rows(s_q: int, s_kv: int) -> int:
+    """Query rows per top-k block: a multiple of :data:`ROW_ALIGN`, the workspace within
+    :data:`WORKSPACE_BYTES` (or the minimum block)."""
+    rows = max(ROW_ALIGN, (WORKSPACE_BYTES // (max(s_kv, 1) * 4)) // ROW_ALIGN * ROW_ALIGN)
+    return min(rows, -(-s_q // ROW_ALIGN) * ROW_ALIGN)
+
+
+def run_logits(p) -> torch.Tensor:
+    out = torch.full((p.s_q, p.s_kv), float("-inf"), dtype=torch.float32, device=p.device)
+    q2, k, w_eff, ks = _score_inputs(p)
+    _score_fn(p)(q2, k, w_eff, ks, p.k_start, p.k_end, out, 0, p.s_kv)
+    return out
+
+
+def run_topk(p, topk: int, return_logits: bool):
+    dev = p.device
+    q2, k, w_eff, ks = _score_inputs(p)
+    score = _score_fn(p)
+    select = _topk_fn(p, return_logits)
+    indices = host.alloc((p.s_q, topk), torch.int32, dev)
+    length = host.alloc((p.s_q,), torch.int32, dev)
+    logits = host.alloc((p.s_q, topk), torch.float32, dev) if return_logits else host.dummy(
+        torch.float32, dev, (1, 1))
+    rows = block_rows(p.s_q, p.s_kv)
+    ws = torch.empty(rows, p.s_kv, dtype=torch.float32, device=dev)
+    for q0 in range(0, p.s_q, rows):
+        n = min(rows, p.s_q - q0)
+        block = ws[:n]
+        score(q2, k, w_eff, ks, p.k_start, p.k_end, block, q0, p.s_kv)
+        select(block, p.k_start, p.k_end, indices, length, logits, q0)
+    return (indices, length, logits) if return_logits else (indices, length)
+
+
+def select_rows(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,
+                return_logits: bool = False):
+    """The top-k kernel alone over a given float32 ``scores [s_q, ld]`` (row t = query t, keys
+    ``[k_start[t], k_end[t])`` int32, clamped by the caller): what ``run_topk`` does per block."""
+    dev = scores.device
+    s_q = scores.shape[0]
+
+    class _P:  # what the compile cache key needs
+        device = dev
+
+    select = _topk_fn(_P, return_logits)
+    indices = host.alloc((s_q, topk), torch.int32, dev)
+    length = host.alloc((s_q,), torch.int32, dev)
+    logits = host.alloc((s_q, topk), torch.float32, dev) if return_logits else host.dummy(torch.float32, dev, (1, 1))
+    select(scores, k_start, k_end, indices, length, logits, 0)
+    return (indices, length, logits) if return_logits else (indices, length)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+
+
+def _loss_inputs(p):
+    """``(indices, target)`` padded to a multiple of 64 slots, ``w_eff``, ``topk_length``."""
+    topk_p = max(64, -(-p.topk // 64) * 64)
+    idx, tgt = p.indices, p.target.float()
+    if topk_p != p.topk:
+        idx = torch.full((p.s_q, topk_p), -1, dtype=torch.int32, device=p.device)
+        idx[:, : p.topk] = p.indices
+        t2 = torch.zeros(p.s_q, topk_p, dtype=torch.float32, device=p.device)
+        t2[:, : p.topk] = tgt
+        tgt = t2
+    w_eff = (p.weights.float() * p.sm_scale).contiguous()
+    tl = p.topk_length if p.topk_length is not None else host.dummy(torch.int32, p.device)
+    return idx.contiguous(), tgt.contiguous(), w_eff, tl, topk_p
+
+
+def run_loss_fwd(p):
+    from .indexer_loss_fwd import MAX_TOPK, compile_loss_fwd
+
+    idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
+    cap = 2048 if topk_p <= 2048 else MAX_TOPK
+    has_tl, arch = p.topk_length is not None, _arch(p)
+    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, arch), lambda: compile_loss_fwd(p.d, has_tl, cap, arch))
+    loss = host.alloc((p.s_q,), torch.float32, p.device)
+    lse = host.alloc((p.s_q,), torch.float32, p.device)
+    inv = host.alloc((p.s_q,), torch.float32, p.device)
+    fn(p.q, p.k, w_eff, idx, tl, tgt, loss, lse, inv)
+    return loss, lse, inv
+
+
+def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
+    from ..common.bwd_host import DET_WORKSPACE_BYTES, reduce_slot_rows
+    from ..reference import valid_mask
+    from .indexer_loss_bwd import compile_loss_bwd
+
+    idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
+    has_tl, arch = p.topk_length is not None, _arch(p)
+    mode = os.environ.get(ENV_DK, "red").strip().lower() or "red"
+    if mode not in ("red", "bulk"):
+        raise ValueError(f"{ENV_DK}={mode!r}: expected red or bulk")
+    bulk = mode == "bulk" and not deterministic
+    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, deterministic, bulk, arch),
+                lambda: compile_loss_bwd(p.d, has_tl, deterministic, arch, dk_bulk=bulk))
+    dev = p.device
+    g = grad_rows.float().contiguous()
+    lse, inv = lse.float().contiguous(), inv.float().contiguous()
+    dq = host.alloc((p.s_q, p.h, p.d), torch.bfloat16, dev)
+    dw = host.alloc((p.s_q, p.h), torch.float32, dev)
+    dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.float32, device=dev)
+    if not deterministic:
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, p.sm_scale)
+    else:
+        per_q = topk_p * p.d * 4
+        wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_q))
+        ws = torch.empty(wave * topk_p, p.d, dtype=torch.float32, device=dev)
+        valid = valid_mask(idx, p.s_kv, p.topk_length) & (inv > 0)[:, None]
+        for c0 in range(0, p.s_q, wave):
+            c1 = min(p.s_q, c0 + wave)
+            tl_c = tl[c0:c1] if p.topk_length is not None else tl
+            fn(p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
+               dq[c0:c1], dw[c0:c1], ws, p.sm_scale)
+            reduce_slot_rows(dk_acc, ws, idx[c0:c1], valid[c0:c1], 1)
+    dk = dk_acc.to(p.k.dtype).reshape(p.k_shape)
+    return dq, dk, dw.to(p.weights.dtype)

@@ -1,0 +1,312 @@
+"""Indexer scores on Hopper (sm_90a), CuTe DSL:
+``I[t, s] = sum_j w_eff[t, j] * ReLU(q[t, j] . k[s]) (* k_scale[s])`` for a block of query rows.
+
+``w_eff = weights * sm_scale`` (``* q_scale`` for float8 inputs) is prepared on the host; the
+float8 path multiplies by ``k_scale[s]`` after the head sum (ReLU commutes with the positive
+scales).  Written to ``out[t - q0, s]`` (float32) for every key ``s`` of the key tiles that
+intersect the query tile's key ranges; inside those tiles, keys outside ``[k_start[t], k_end[t])``
+get ``-inf``.  Tiles outside every range are skipped (causal skipping): the caller pre-fills
+``out`` with ``-inf`` where it needs the dense form (``indexer_logits``); the top-k reads only
+``[k_start[t], k_end[t])`` of each row.
+
+One CTA per query tile of ``2 BQ`` queries, ``BQ = 256 / h`` per consumer warpgroup (so that
+``BQ * h = 256`` is the wgmma N); 384 threads:
+
+* WG2, warp 0 -- producer: the two Q tiles (``[BQ*h, d]`` each, TMA) once, then the key tiles
+  (``[64, d]``, TMA) through a ``PipelineTmaAsync`` ring of ``stages`` buffers;
+* WG0, WG1 -- consumers of every key tile, each with its own Q tile: ``S^T = K Q^T`` (64 keys x
+  256 (query, head) columns, keys on the wgmma's M so that the head sum is a row-wise reduction
+  inside a thread plus a quad reduce-scatter), then ``sum_j w_eff * ReLU`` per (key, query) and
+  masked 4-byte stores (8 consecutive keys per 8 lanes: full 32-byte sectors).  Sharing each key
+  tile between the two warpgroups halves the L2 -> smem key traffic per FLOP (one query tile per
+  key tile needed ~16 B/clk/SM at the tensor rate); the tensor core serialises the two MMAs, so
+  one warpgroup's epilogue runs under the other's MMA.
+
+Heavy query tiles (late in a causal sequence) are launched first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.common import OperandMajorMode
+
+from ..common import indexer_device as idev
+from .. import tma
+
+BM = 64  # keys per consumer tile (the wgmma M)
+BN = 256  # (query, head) columns per CTA (the wgmma N)
+THREADS = 384
+SMEM_LIMIT = 232448
+BAR_W = 1  # the consumers' weights are in smem
+
+
+def smem_atom_kind(row_bytes: int):
+    """The K-major swizzle atom whose span divides a ``row_bytes``-byte row."""
+    if row_bytes % 128 == 0:
+        return warpgroup.SmemLayoutAtomKind.K_SW128
+    if row_bytes % 64 == 0:
+        return warpgroup.SmemLayoutAtomKind.K_SW64
+    return warpgroup.SmemLayoutAtomKind.K_SW32
+
+
+class IndexerScoreSm90:
+    """Static configuration (input dtype, h, d) + host launcher + device kernel."""
+
+    def __init__(self, fp8: bool, h: int, d: int):
+        if h not in (16, 32, 64):
+            raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
+        if d not in (64, 128):
+            raise ValueError(f"sm90 indexer scores take d_idx 64 or 128, got {d}")
+        self.fp8 = fp8
+        self.dtype = Float8E4M3FN if fp8 else BFloat16
+        self.elem = 1 if fp8 else 2
+        self.h = h
+        self.d = d
+        self.bq = BN // h  # queries per consumer warpgroup
+        self.cq = 2 * self.bq  # queries per CTA
+        self.stages = 5 if (d * self.elem) == 256 else 8
+        self.regs_consumer = 232
+        self.regs_producer = 40
+        assert 2 * self.regs_consumer + self.regs_producer <= 504
+        self.smem_bytes = 0
+
+    def _mma(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (BM, BN)
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [s_q * h, d] bf16 / fp8 (q viewed 2-D)
+        mK: cute.Tensor,  # [s_kv, d]
+        mW: cute.Tensor,  # [s_q * h] f32: weights * sm_scale (* q_scale)
+        mKScale: cute.Tensor,  # [s_kv] f32 (read only for fp8)
+        mStart: cute.Tensor,  # [s_q] int32
+        mEnd: cute.Tensor,  # [s_q] int32
+        mOut: cute.Tensor,  # [rows, ld] f32: row r is query q0 + r
+        q0: Int32,  # a multiple of 256 / h
+        s_kv: Int32,  # keys (mK may carry zero rows past them: a TMA box is not taller than its tensor)
+        stream,
+    ):
+        atom = warpgroup.make_smem_layout_atom(smem_atom_kind(self.d * self.elem), self.dtype)
+        sQ_layout = cute.tile_to_shape(atom, (BN, self.d, 2), (0, 1, 2))  # one tile per consumer WG
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        sK_layout = cute.tile_to_shape(atom, (BM, self.d, self.stages), (0, 1, 2))
+        sK_one = cute.slice_(sK_layout, (None, None, 0))
+        tma_atom_q, tma_q = tma.tile_load_atom(mQ, sQ_one, (BN, self.d))
+        tma_atom_k, tma_k = tma.tile_load_atom(mK, sK_one, (BM, self.d))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BN], 16]
+            pipe: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            bar_q: cute.struct.MemRange[cutlass.Int64, 1]
+
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
+        rows = mOut.shape[0]
+        n_tiles = (rows + (self.cq - 1)) // self.cq
+        self.kernel(
+            mW, mKScale, mStart, mEnd, mOut, q0, s_kv, tma_atom_q, tma_q, tma_atom_k, tma_k,
+            sQ_layout, sK_layout, SharedStorage, n_tiles,
+        ).launch(grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
+                 min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mW: cute.Tensor,
+        mKScale: cute.Tensor,
+        mStart: cute.Tensor,
+        mEnd: cute.Tensor,
+        mOut: cute.Tensor,
+        q0: Int32,
+        s_kv: Int32,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        tma_k: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+        n_tiles: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+        idx_in_wg = tidx % 128
+        tile = n_tiles - 1 - bidx  # heavy (late) query tiles first
+        qt0 = q0 + tile * self.cq
+        s_q = mStart.shape[0]
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        bar_q = storage.bar_q.data_ptr()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bar_q, 1)
+        k_bytes = BM * self.d * self.elem
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.pipe.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),  # lane 0 of 8 warps
+            tx_count=k_bytes,
+        )
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sW = storage.sW.get_tensor(cute.make_layout(2 * BN))
+
+        # The key tiles this query tile needs: the union of its rows' ranges.
+        k_lo = s_kv
+        k_hi = Int32(0)
+        for i in cutlass.range_constexpr(self.cq):
+            t = qt0 + i
+            if t < s_q:
+                st = mStart[t]
+                en = mEnd[t]
+                if en > st:
+                    k_lo = cutlass.min(k_lo, st)
+                    k_hi = cutlass.max(k_hi, en)
+        tile_lo = k_lo // BM
+        n_k = Int32(0)
+        if k_hi > k_lo:
+            n_k = (k_hi + (BM - 1)) // BM - tile_lo
+
+        if wg == 2:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 8:
+                gQ = cute.local_tile(tma_q, (BN, self.d), (None, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                gK = cute.local_tile(tma_k, (BM, self.d), (None, 0))
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                )
+                if n_k > 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, 2 * BN * self.d * self.elem)
+                    q_tile = q0 // self.bq + 2 * tile  # q0 is a multiple of cq
+                    for w in cutlass.range_constexpr(2):
+                        cute.copy(tma_atom_q, tQgQ[None, q_tile + w], tQsQ[None, w], tma_bar_ptr=bar_q)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                for i in cutlass.range(n_k, unroll=1):
+                    pipe.producer_acquire(state)
+                    cute.copy(tma_atom_k, tKgK[None, tile_lo + i], tKsK[None, state.index],
+                              tma_bar_ptr=pipe.producer_get_barrier(state))
+                    pipe.producer_commit(state)
+                    state.advance()
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            # weights of the CTA's (query, head) columns; 0 past s_q
+            for e in cutlass.range_constexpr(2):
+                c = e * 256 + wg * 128 + idx_in_wg
+                w = Float32(0.0)
+                if qt0 + c // self.h < s_q:
+                    w = mW[Int64(qt0) * self.h + c]
+                sW[c] = w
+            cute.arch.barrier(barrier_id=BAR_W, number_of_threads=256)
+            if n_k > 0:
+                cute.arch.mbarrier_wait(bar_q, 0)
+                self.consumer(mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0 + wg * self.bq, s_q, s_kv,
+                              tile_lo, n_k, wg, idx_in_wg)
+
+    @cute.jit
+    def consumer(self, mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0, s_q, s_kv, tile_lo, n_k, wg,
+                 idx_in_wg):
+        mma = self._mma()
+        thr = mma.get_slice(idx_in_wg)
+        tSrK = thr.make_fragment_A(thr.partition_A(sK))  # (MMA, M, K, stage)
+        tSrQ = thr.make_fragment_B(thr.partition_B(sQ))  # (MMA, N, K, Q tile)
+        acc = thr.make_fragment_C(thr.partition_shape_C((BM, BN)))
+        lane = idx_in_wg % 32
+        lane_quad = lane % 4
+        row0 = (idx_in_wg // 32) * 16 + lane // 4
+        qpl = self.bq // 4  # queries per lane after the quad reduce-scatter
+        # This lane's queries (after the reduce-scatter): qt0 + lane_quad * qpl + k.
+        rStart = cute.make_rmem_tensor((qpl,), Int32)
+        rEnd = cute.make_rmem_tensor((qpl,), Int32)
+        rRow = cute.make_rmem_tensor((qpl,), Int64)
+        for k in cutlass.range_constexpr(qpl):
+            t = qt0 + lane_quad * qpl + k
+            st = Int32(0)
+            en = Int32(0)
+            if t < s_q:
+                st = mStart[t]
+                en = mEnd[t]
+            rStart[k] = st
+            rEnd[k] = en
+            rRow[k] = Int64(t - q0) * Int64(mOut.shape[1])
+        n_rows_out = mOut.shape[0]
+        vals = cute.make_rmem_tensor((2 * self.bq,), Float32)
+        n_k_tiles = cute.size(tSrQ, mode=[2])
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        w_off = wg * BN
+        for i in cutlass.range(n_k, unroll=1):
+            key0 = (tile_lo + i) * BM
+            pipe.consumer_wait(state)
+            mma_i = self._mma()
+            cute.nvgpu.warpgroup.fence()
+            for k in cutlass.range_constexpr(n_k_tiles):
+                mma_i.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(mma_i, acc, tSrK[None, None, k, state.index], tSrQ[None, None, k, wg], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            state.advance()
+            # head sum per (key row, query), then the quad reduce-scatter
+            for qi in cutlass.range_constexpr(self.bq):
+                s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad)
+                vals[2 * qi] = s0
+                vals[2 * qi + 1] = s1
+            idev.quad_reduce_scatter(vals, 2 * self.bq, lane)
+            for r in cutlass.range_constexpr(2):
+                key = key0 + row0 + 8 * r
+                if key < s_kv:
+                    ks = Float32(1.0)
+                    if const_expr(self.fp8):
+                        ks = mKScale[key]
+                    for k in cutlass.range_constexpr(qpl):
+                        t = qt0 + lane_quad * qpl + k
+                        if t < s_q and t - q0 < n_rows_out:
+                            inr = (key >= rStart[k]) & (key < rEnd[k])
+                            v = Float32(cutlass.select_(inr, vals[2 * k + r] * ks, Float32(-math.inf)))
+                            out = cute.make_tensor(mOut.iterator + (rRow[k] + Int64(key)), cute.make_layout(1))
+                            out[0] = v
+
+
+def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", **kw):
+    """Compile the score kernel for one static configuration (no GPU needed)."""
+    from .. import _compile
+    from ..common import host
+
+    dt = Float8E4M3FN if fp8 else BFloat16
+    n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld = (cute.sym_int() for _ in range(8))
+    kernel = IndexerScoreSm90(fp8, h, d)
+    args = (
+        host.fake(dt, (n_qh, d)),
+        host.fake(dt, (s_kv, d)),
+        host.fake(Float32, (n_w,), align=4),
+        host.fake(Float32, (n_ks,), align=4),
+        host.fake(Int32, (s_q,), align=4),
+        host.fake(Int32, (s_q2,), align=4),
+        host.fake(Float32, (rows, ld), align=4),
+        Int32(0),
+        Int32(0),
+        host.fake_stream(),
+    )
+    return kernel, _compile.compile_kernel(kernel, *args, arch=arch, **kw)

@@ -1,0 +1,359 @@
+"""Exact per-row top-k over a block of indexer score rows (CuTe DSL; plain loads/stores and shared
+atomics -- no tensor cores, so arch-agnostic; compiled for sm_90a here).
+
+One CTA (512 threads, 16 warps) per row ``r`` of ``scores [rows, ld]`` (query ``t = q0 + r``);
+the row's keys are ``[k_start[t], k_end[t])``.  A row with ``n <= topk`` keys takes them all.
+Otherwise a radix select on the order-preserving uint32 key of each score (NaN as -inf, -0 as
++0) finds the threshold -- the ``topk``-th largest key -- and the selection is written in
+ascending key order: every key above the threshold and the first ``need`` keys equal to it (ties
+go to the smaller index), at position ``#(greater before it) + min(#(equal before it), need)``
+(ballots and popcounts, no sort).  Exact and deterministic.
+
+Global passes over the row (each warp owns a contiguous segment of it in the passes that need the
+order):
+
+1. a 2048-bin shared histogram of the top 11 key bits (16-byte loads) -> the threshold bin ``b``;
+2. per warp segment, the count of keys above ``b`` (and equal to it), and the keys of bin ``b``
+   collected into shared memory (at most :data:`CAP` of them);
+3. the write pass.
+
+Between 2 and 3 the threshold is refined on the shared candidates (digits of 11 and 10 bits; a
+digit whose threshold bin is taken whole ends the search) and the candidates are counted per
+warp segment.  A row whose threshold bin holds more than :data:`CAP` keys (heavy ties) refines
+and counts by further passes over the row instead (up to 5 in all).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+
+from ..common import indexer_device as idev
+
+THREADS = 512
+WARPS = THREADS // 32
+BINS = 2048
+#: Shared-memory candidates (keys of the threshold bin of the first digit).
+CAP = 4096
+D1 = (21, 11)  # (shift, bits) of the first digit
+REFINE = ((10, 11), (0, 10))  # the finer digits
+BAR = 1
+
+
+class IndexerTopkSm90:
+    """Static configuration (whether the selected scores are returned; ``batch``: warp steps of 32
+    keys whose loads are issued together in the ordered passes) + launcher + kernel."""
+
+    def __init__(self, return_logits: bool, batch: int = 4):
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self.return_logits = return_logits
+        self.batch = batch
+
+    @cute.jit
+    def __call__(
+        self,
+        mScores: cute.Tensor,  # [rows, ld] f32: row r is query q0 + r
+        mStart: cute.Tensor,  # [s_q] int32
+        mEnd: cute.Tensor,  # [s_q] int32
+        mIdx: cute.Tensor,  # [s_q, topk] int32 (out)
+        mLen: cute.Tensor,  # [s_q] int32 (out)
+        mLogits: cute.Tensor,  # [s_q, topk] f32 (out; only with return_logits)
+        q0: Int32,
+        stream,
+    ):
+        @cute.struct
+        class SharedStorage:
+            hist: cute.struct.Align[cute.struct.MemRange[Int32, BINS], 16]
+            cand_key: cute.struct.Align[cute.struct.MemRange[Uint32, CAP], 16]
+            cand_idx: cute.struct.Align[cute.struct.MemRange[Int32, CAP], 16]
+            scratch: cute.struct.MemRange[Int32, WARPS]
+            seg_gt: cute.struct.MemRange[Int32, WARPS]
+            seg_eq: cute.struct.MemRange[Int32, WARPS]
+            found: cute.struct.MemRange[Int32, 4]
+
+        self.kernel(mScores, mStart, mEnd, mIdx, mLen, mLogits, q0, SharedStorage).launch(
+            grid=[mScores.shape[0], 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mScores: cute.Tensor, mStart: cute.Tensor, mEnd: cute.Tensor, mIdx: cute.Tensor,
+               mLen: cute.Tensor, mLogits: cute.Tensor, q0: Int32, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        t = q0 + bidx
+        s_q = mStart.shape[0]
+        topk = mIdx.shape[1]
+        if t < s_q:
+            st = mStart[t]
+            n = cutlass.max(mEnd[t] - st, Int32(0))
+            row_ptr = mScores.iterator + (Int64(bidx) * Int64(mScores.shape[1]) + Int64(st))
+            row = cute.make_tensor(row_ptr, cute.make_layout(cutlass.max(n, Int32(1))))
+            if n <= topk:
+                for i in cutlass.range((topk - tidx + THREADS - 1) // THREADS, unroll=1):
+                    j = tidx + i * THREADS
+                    ok = j < n
+                    mIdx[t, j] = Int32(cutlass.select_(ok, st + j, Int32(-1)))
+                    if const_expr(self.return_logits):
+                        v = Float32(-math.inf)
+                        if ok:
+                            v = row[j]
+                        mLogits[t, j] = v
+                if tidx == 0:
+                    mLen[t] = n
+            else:
+                self.select(row, row_ptr, n, st, t, topk, mIdx, mLogits, storage, tidx)
+                if tidx == 0:
+                    mLen[t] = topk
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def find_bin(self, sHist, nb: cutlass.Constexpr, need, sScratch, sFound, tidx):
+        """``(b, need', count)``: the bin holding the ``need``-th largest key (bins scanned from
+        the top), how many of its keys are still needed, and its count.  Ends with a barrier."""
+        per = nb // THREADS  # thread i owns bins nb-1-per*i-e, e = 0..per-1 (descending)
+        local = Int32(0)
+        for e in cutlass.range_constexpr(per):
+            local = local + sHist[nb - 1 - per * tidx - e]
+        above, _ = idev.block_exclusive_sum(local, sScratch, tidx, WARPS, BAR, THREADS)
+        acc = above
+        for e in cutlass.range_constexpr(per):
+            b = nb - 1 - per * tidx - e
+            c = sHist[b]
+            if acc < need and need <= acc + c:
+                sFound[0] = b
+                sFound[1] = need - acc
+                sFound[2] = c
+            acc = acc + c
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        res = (sFound[0], sFound[1], sFound[2])
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        return res
+
+    @cute.jit
+    def clear_hist(self, sHist, tidx):
+        for i in cutlass.range_constexpr(BINS // THREADS):
+            sHist[tidx + i * THREADS] = Int32(0)
+
+    @cute.jit
+    def select(self, row, row_ptr, n, st, t, topk, mIdx, mLogits, storage, tidx):
+        """``n > topk``: the threshold (prefix of the key above ``shift``, ``need`` of its ties),
+        the per-warp-segment counts, then the ordered write."""
+        sHist = storage.hist.get_tensor(cute.make_layout(BINS))
+        sCandKey = storage.cand_key.get_tensor(cute.make_layout(CAP))
+        sCandIdx = storage.cand_idx.get_tensor(cute.make_layout(CAP))
+        sScratch = storage.scratch.get_tensor(cute.make_layout(WARPS))
+        sSegGt = storage.seg_gt.get_tensor(cute.make_layout(WARPS))
+        sSegEq = storage.seg_eq.get_tensor(cute.make_layout(WARPS))
+        sFound = storage.found.get_tensor(cute.make_layout(4))
+        lane = tidx % 32
+        warp = tidx // 32
+        seg = ((n + THREADS - 1) // THREADS) * 32  # each warp's contiguous segment
+        w0 = warp * seg
+        w1 = cutlass.min(w0 + seg, n)
+        n_steps = cutlass.max(w1 - w0 + 31, Int32(0)) // 32
+
+        # -- pass 1: histogram of the first digit (16-byte loads past the unaligned head) --------
+        self.clear_hist(sHist, tidx)
+        if tidx == 0:
+            sFound[3] = Int32(0)  # candidate count
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        mis = Int32((row_ptr.toint() // 4) % 4)
+        head = cutlass.min((4 - mis) % 4, n)
+        n_vec = (n - head) // 4
+        for i in cutlass.range((head - tidx + THREADS - 1) // THREADS, unroll=1):
+            self.hist_add(sHist, idev.ordered_key(row[tidx + i * THREADS]))
+        tail0 = head + 4 * n_vec
+        for i in cutlass.range((n - tail0 - tidx + THREADS - 1) // THREADS, unroll=1):
+            self.hist_add(sHist, idev.ordered_key(row[tail0 + tidx + i * THREADS]))
+        r4 = cute.make_rmem_tensor((4,), Float32)
+        for i in cutlass.range((n_vec - tidx + THREADS - 1) // THREADS, unroll=4):
+            v = tidx + i * THREADS
+            src = cute.make_tensor((row_ptr + (Int64(head) + Int64(4 * v))).align(16), cute.make_layout(4))
+            cute.autovec_copy(src, r4)
+            for e in cutlass.range_constexpr(4):
+                self.hist_add(sHist, idev.ordered_key(r4[e]))
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        b1, need, cnt = self.find_bin(sHist, BINS, topk, sScratch, sFound, tidx)
+        prefix = Uint32(b1)
+        shift = Int32(D1[0])
+        done = cnt == need
+        use_cand = (cnt <= CAP) & (cnt != need)
+
+        # -- pass 2: per-segment counts above / in bin b1; bin b1's keys to smem ---------------
+        lt = cute.arch.lanemask_lt()
+        cgt = Int32(0)
+        ceq = Int32(0)
+        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                j = w0 + (ib * self.batch + u) * 32 + lane
+                ok = j < w1
+                key = idev.ordered_key(xs[u])
+                hi = key >> Uint32(D1[0])
+                gt = ok & (hi > prefix)
+                eq = ok & (hi == prefix)
+                cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(gt))))
+                m = Uint32(cute.arch.vote_ballot_sync(eq))
+                ceq = ceq + Int32(cute.arch.popc(m))
+                if use_cand:
+                    if m != Uint32(0):
+                        base = Int32(0)
+                        if lane == 0:
+                            base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
+                        base = cute.arch.shuffle_sync(base, 0)
+                        if eq:
+                            pos = base + Int32(cute.arch.popc(m & lt))
+                            sCandKey[pos] = key
+                            sCandIdx[pos] = j
+        if lane == 0:
+            sSegGt[warp] = cgt
+            sSegEq[warp] = ceq
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+
+        if use_cand:
+            # -- refine on the candidates (shared memory only) --------------------------------
+            for p in cutlass.range_constexpr(len(REFINE)):
+                d_shift, d_bits = REFINE[p]
+                if not done:
+                    self.clear_hist(sHist, tidx)
+                    cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                    for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                        key = sCandKey[tidx + i * THREADS]
+                        if (key >> Uint32(d_shift + d_bits)) == prefix:
+                            b = Int32((key >> Uint32(d_shift)) & Uint32((1 << d_bits) - 1))
+                            cute.arch.atomic_add(sHist.iterator + b, Int32(1))
+                    cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                    b, need, c = self.find_bin(sHist, 1 << d_bits, need, sScratch, sFound, tidx)
+                    prefix = (prefix << Uint32(d_bits)) | Uint32(b)
+                    shift = Int32(d_shift)
+                    done = c == need
+            # -- the candidates per warp segment: finer "greater" and "equal" ------------------
+            if tidx < WARPS:
+                sSegEq[tidx] = Int32(0)
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+            for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                key = sCandKey[tidx + i * THREADS]
+                w = sCandIdx[tidx + i * THREADS] // seg
+                hi = key >> Uint32(shift)
+                if hi > prefix:
+                    cute.arch.atomic_add(sSegGt.iterator + w, Int32(1))
+                if hi == prefix:
+                    cute.arch.atomic_add(sSegEq.iterator + w, Int32(1))
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        else:
+            if not done:
+                # -- heavy ties: refine and count by passes over the row -------------------------
+                for p in cutlass.range_constexpr(len(REFINE)):
+                    d_shift, d_bits = REFINE[p]
+                    if not done:
+                        self.clear_hist(sHist, tidx)
+                        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                        for i in cutlass.range((n - tidx + THREADS - 1) // THREADS, unroll=4):
+                            key = idev.ordered_key(row[tidx + i * THREADS])
+                            if (key >> Uint32(d_shift + d_bits)) == prefix:
+                                b = Int32((key >> Uint32(d_shift)) & Uint32((1 << d_bits) - 1))
+                                cute.arch.atomic_add(sHist.iterator + b, Int32(1))
+                        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                        b, need, c = self.find_bin(sHist, 1 << d_bits, need, sScratch, sFound, tidx)
+                        prefix = (prefix << Uint32(d_bits)) | Uint32(b)
+                        shift = Int32(d_shift)
+                        done = c == need
+                self.count_segments(row, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp)
+        self.write_selection(row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
+                             lane, warp)
+
+    @cute.jit
+    def hist_add(self, sHist, key):
+        cute.arch.atomic_add(sHist.iterator + Int32(key >> Uint32(D1[0])), Int32(1))
+
+    @cute.jit
+    def count_segments(self, row, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp):
+        """Per warp segment: keys with ``key >> shift`` above / equal to ``prefix``."""
+        sh = Uint32(shift)
+        cgt = Int32(0)
+        ceq = Int32(0)
+        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                ok = w0 + (ib * self.batch + u) * 32 + lane < w1
+                hi = idev.ordered_key(xs[u]) >> sh
+                cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi > prefix)))))
+                ceq = ceq + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi == prefix)))))
+        if lane == 0:
+            sSegGt[warp] = cgt
+            sSegEq[warp] = ceq
+        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+
+    @cute.jit
+    def write_selection(self, row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
+                        lane, warp):
+        """Keys with ``key >> shift`` above ``prefix`` and the first ``need`` equal to it, in order,
+        from the per-warp-segment counts."""
+        sh = Uint32(shift)
+        gt_before = Int32(0)
+        eq_before = Int32(0)
+        for w in cutlass.range_constexpr(WARPS):
+            mine = Int32(w) < warp
+            gt_before = gt_before + Int32(cutlass.select_(mine, sSegGt[w], Int32(0)))
+            eq_before = eq_before + Int32(cutlass.select_(mine, sSegEq[w], Int32(0)))
+        lt = cute.arch.lanemask_lt()
+        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                j = w0 + (ib * self.batch + u) * 32 + lane
+                ok = j < w1
+                x = xs[u]
+                hi = idev.ordered_key(x) >> sh
+                gt = ok & (hi > prefix)
+                eq = ok & (hi == prefix)
+                gtm = Uint32(cute.arch.vote_ballot_sync(gt))
+                eqm = Uint32(cute.arch.vote_ballot_sync(eq))
+                my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
+                my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
+                if gt or (eq and my_eq < need):
+                    pos = my_gt + cutlass.min(my_eq, need)
+                    mIdx[t, pos] = st + j
+                    if const_expr(self.return_logits):
+                        mLogits[t, pos] = x
+                gt_before = gt_before + Int32(cute.arch.popc(gtm))
+                eq_before = eq_before + Int32(cute.arch.popc(eqm))
+
+    @cute.jit
+    def load_batch(self, row, xs, j0, w1):
+        """``xs[u] = row[j0 + 32 u]`` (0 past ``w1``): the batch's loads issued back to back."""
+        for u in cutlass.range_constexpr(self.batch):
+            j = j0 + 32 * u
+            x = Float32(0.0)
+            if j < w1:
+                x = row[j]
+            xs[u] = x
+
+
+def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, **kw):
+    """Compile the top-k kernel (no GPU needed)."""
+    from .. import _compile
+    from ..common import host
+
+    rows, ld, s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(7))
+    topk, topk2 = cute.sym_int(), cute.sym_int()
+    kernel = IndexerTopkSm90(return_logits, batch)
+    args = (
+        host.fake(Float32, (rows, ld), align=4),
+        host.fake(Int32, (s_q,), align=4),
+        host.fake(Int32, (s_q2,), align=4),
+        host.fake(Int32, (s_q3, topk), align=4),
+        host.fake(Int32, (s_q4,), align=4),
+        host.fake(Float32, (s_q5, topk2), align=4),
+        Int32(0),
+        host.fake_stream(),
+    )
+    return kernel, _compile.compile_kernel(kernel, *args, arch=arch, **kw)

@@ -1,0 +1,388 @@
+"""sm90 indexer kernels (scores, top-k, loss forward/backward) vs the reference (GPU tests:
+skipped without an sm_90 GPU).  Outputs are poisoned before each launch (conftest), so an element
+a kernel fails to write shows up."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mla_kernels as mk
+from mla_kernels import reference as ref
+
+from conftest import rel_l2, skip_unless_sm90
+
+pytestmark = [skip_unless_sm90(), pytest.mark.gpu]
+FP8 = torch.float8_e4m3fn
+
+
+def rand_inputs(s_q, h, d, s_kv, *, seed=0, fp8=False, integer=False):
+    g = torch.Generator().manual_seed(seed)
+    if integer:
+        q = torch.randint(-2, 3, (s_q, h, d), generator=g).float()
+        k = torch.randint(-2, 3, (s_kv, d), generator=g).float()
+        w = torch.randint(-1, 3, (s_q, h), generator=g).float()
+    else:
+        q = torch.randn(s_q, h, d, generator=g)
+        k = torch.randn(s_kv, d, generator=g)
+        w = torch.randn(s_q, h, generator=g) * 0.5
+    qs = ks = None
+    dt = FP8 if fp8 else torch.bfloat16
+    if fp8:
+        if integer:
+            qs = torch.full((s_q, h), 0.5)
+            ks = torch.full((s_kv,), 2.0)
+        else:
+            qs = torch.rand(s_q, h, generator=g) + 0.25
+            ks = torch.rand(s_kv, generator=g) + 0.25
+        qs, ks = qs.cuda(), ks.cuda()
+    return q.to(dt).cuda(), k.to(dt).cuda(), w.cuda(), qs, ks
+
+
+def ranges(s_q, s_kv, kind, seed=0):
+    if kind == "causal":
+        return None, None
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.randint(-5, s_kv, (s_q,), generator=g)
+    ke = ks + torch.randint(-3, s_kv + 10, (s_q,), generator=g)
+    ks[0], ke[0] = 3, 3  # empty
+    if s_q > 2:
+        ks[1], ke[1] = 0, s_kv
+        ks[2], ke[2] = s_kv - 1, s_kv + 50
+    return ks.int().cuda(), ke.int().cuda()
+
+
+def check_logits(got, want, exact=False, rtol=2e-5):
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf pattern (key ranges) differs"
+    fin = torch.isfinite(want)
+    assert torch.isfinite(got[fin]).all()
+    if exact:
+        assert torch.equal(got[fin], want[fin].float())
+    else:
+        err = (got[fin].double() - want[fin].double()).abs().max().item()
+        scale = want[fin].abs().max().item() if fin.any() else 1.0
+        assert err <= rtol * max(scale, 1.0), f"max abs err {err:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("s_q,s_kv,h,d,fp8,kind", [
+    (1, 1, 64, 128, False, "causal"),
+    (37, 300, 64, 128, False, "causal"),
+    (300, 37, 64, 128, False, "causal"),
+    (130, 777, 16, 64, False, "ranges"),
+    (77, 1000, 32, 128, False, "ranges"),
+    (260, 1500, 64, 128, True, "causal"),
+    (50, 333, 32, 64, True, "ranges"),
+])
+def test_logits_vs_reference(s_q, s_kv, h, d, fp8, kind, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, qs, ksc = rand_inputs(s_q, h, d, s_kv, seed=s_q + s_kv, fp8=fp8)
+    kst, ken = ranges(s_q, s_kv, kind, seed=s_q)
+    got = mk.indexer_logits(q, k, w, sm_scale=0.3, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
+    torch.cuda.synchronize()
+    want = ref.indexer_logits_ref(q, k, w, 0.3, kst, ken, qs, ksc)
+    # Hopper's FP8 tensor cores accumulate with reduced precision (about 2^-13 of the magnitude,
+    # measured 2.1e-4 here; the integer-valued test below is exact)
+    check_logits(got, want, rtol=1e-3 if fp8 else 2e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_logits_integer_exact(fp8, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, qs, ksc = rand_inputs(200, 64, 128, 700, seed=3, fp8=fp8, integer=True)
+    got = mk.indexer_logits(q, k, w, sm_scale=0.5, q_scale=qs, k_scale=ksc)
+    want = ref.indexer_logits_ref(q, k, w, 0.5, None, None, qs, ksc)
+    check_logits(got, want, exact=True)
+
+
+def naive_select(scores, start, end, topk):
+    """The top-k definition on a float64 score matrix (rows = queries): (indices, length)."""
+    s_q = scores.shape[0]
+    idx = torch.full((s_q, topk), -1, dtype=torch.int32)
+    ln = torch.zeros(s_q, dtype=torch.int32)
+    sc = torch.nan_to_num(scores.double().cpu(), nan=-math.inf)
+    sc = torch.where(sc == 0, torch.zeros_like(sc), sc)  # -0 == +0
+    for t in range(s_q):
+        a, b = int(start[t]), int(end[t])
+        if b <= a:
+            continue
+        row = sc[t, a:b]
+        order = sorted(range(b - a), key=lambda i: (-float(row[i]), i))[:topk]
+        chosen = sorted(a + i for i in order)
+        idx[t, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+        ln[t] = len(chosen)
+    return idx, ln
+
+
+@pytest.mark.parametrize("topk", [1, 7, 64, 300])
+def test_topk_kernel_adversarial_rows(topk):
+    """The top-k kernel alone on rows with ties, NaN, +-0, +-inf and rows shorter than topk."""
+    from mla_kernels.sm90 import indexer_host
+
+    g = torch.Generator().manual_seed(topk)
+    s_q, ld = 40, 1500
+    sc = torch.randint(-3, 4, (s_q, ld), generator=g).float()  # heavy ties
+    sc[1] = 0.0
+    sc[1, ::3] = -0.0
+    sc[2] = torch.randn(ld, generator=g)
+    sc[2, ::7] = float("nan")
+    sc[3, 5:50] = float("inf")
+    sc[3, 60:70] = float("-inf")
+    sc[4] = torch.randn(ld, generator=g) * 1e-30  # denormal-ish magnitudes
+    sc[5] = torch.arange(ld).float()  # strictly increasing
+    sc[6] = -torch.arange(ld).float()
+    sc[7:20] = torch.randn(13, ld, generator=g) * 100
+    start = torch.randint(0, ld, (s_q,), generator=g)
+    end = (start + torch.randint(0, ld, (s_q,), generator=g)).clamp_max(ld)
+    start[:8], end[:8] = 0, ld
+    start[8], end[8] = 10, 10  # empty
+    start[9], end[9] = 100, 100 + topk  # exactly topk keys
+    start[10], end[10] = 100, 101 + topk  # one more than topk
+    sc[11] = 1.0
+    sc[11, 3 : 3 + topk] = 1000.0  # the threshold bin of the first digit is taken whole
+    start[11], end[11] = 0, ld
+    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
+    torch.cuda.synchronize()
+    want_idx, want_len = naive_select(sc, start, end, topk)
+    assert torch.equal(ln.cpu(), want_len)
+    assert torch.equal(idx.cpu(), want_idx)
+    safe = want_idx.clamp_min(0).long()
+    want_lg = torch.where(want_idx >= 0, sc.gather(1, safe), torch.full(safe.shape, -math.inf))
+    assert torch.equal(torch.isnan(lg.cpu()), torch.isnan(want_lg))
+    nn = ~torch.isnan(want_lg)
+    assert torch.equal(lg.cpu()[nn], want_lg[nn])
+
+
+@pytest.mark.parametrize("topk", [100, 3000, 5000])
+def test_topk_kernel_long_rows_heavy_ties(topk):
+    """Rows longer than the shared candidate buffer whose threshold bin overflows it (all equal,
+    few distinct values) and ones that fit, through the top-k kernel alone."""
+    from mla_kernels.sm90 import indexer_host
+
+    g = torch.Generator().manual_seed(topk)
+    s_q, ld = 8, 10000
+    sc = torch.randn(s_q, ld, generator=g)
+    sc[0] = 0.0  # one bin of 10000 > CAP
+    sc[1] = torch.randint(0, 3, (ld,), generator=g).float()
+    sc[2, :5000] = 7.0
+    sc[3] = torch.randint(-50, 50, (ld,), generator=g).float() * 0.25
+    sc[4] = torch.rand(ld, generator=g) * 1e-3 + 1.0  # a narrow range: few coarse bins
+    start = torch.zeros(s_q, dtype=torch.int64)
+    end = torch.full((s_q,), ld)
+    start[5], end[5] = 3, ld - 7  # unaligned head and tail
+    start[6], end[6] = 1, 9999
+    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
+    torch.cuda.synchronize()
+    want_idx, want_len = naive_select(sc, start, end, topk)
+    assert torch.equal(ln.cpu(), want_len)
+    assert torch.equal(idx.cpu(), want_idx)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kind", ["causal", "ranges"])
+def test_topk_integer_inputs_exact(fp8, kind, monkeypatch):
+    """Integer-valued inputs: the scores are exact, so the sets must be exactly the reference's."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, s_kv, topk = 333, 1200, 100
+    q, k, w, qs, ksc = rand_inputs(s_q, 64, 128, s_kv, seed=7, fp8=fp8, integer=True)
+    kst, ken = ranges(s_q, s_kv, kind, seed=2)
+    got = mk.indexer_topk(q, k, w, topk, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc,
+                          return_logits=True)
+    torch.cuda.synchronize()
+    want = ref.indexer_topk_ref(q, k, w, topk, 0.5, kst, ken, qs, ksc, return_logits=True)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[2], want[2].float())
+
+
+def assert_topk_close(got_idx, got_len, want_idx, want_len, logits_ref, tol):
+    """Equal lengths; the sets may differ only where reference scores tie within ``tol`` of the
+    row's threshold (the smallest selected reference score)."""
+    assert torch.equal(got_len, want_len)
+    assert ((got_idx[:, 1:] > got_idx[:, :-1]) | (got_idx[:, 1:] == -1)).all(), "not ascending"
+    diff_rows = (got_idx != want_idx).any(dim=1).nonzero().flatten().tolist()
+    for t in diff_rows:
+        a = set(got_idx[t][got_idx[t] >= 0].tolist())
+        b = set(want_idx[t][want_idx[t] >= 0].tolist())
+        thr = min(float(logits_ref[t, j]) for j in b)
+        for j in a ^ b:
+            assert abs(float(logits_ref[t, j]) - thr) <= tol, f"row {t} key {j}: not a near-tie"
+    return len(diff_rows)
+
+
+@pytest.mark.parametrize("h,d", [(64, 128), (16, 64), (32, 128)])
+def test_topk_random_vs_reference(h, d, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, s_kv, topk = 700, 3000, 256
+    q, k, w, _, _ = rand_inputs(s_q, h, d, s_kv, seed=h + d)
+    idx, ln = mk.indexer_topk(q, k, w, topk, sm_scale=d ** -0.5)
+    want_idx, want_len = ref.indexer_topk_ref(q, k, w, topk, d ** -0.5)
+    logits = ref.indexer_logits_ref(q, k, w, d ** -0.5)
+    n = assert_topk_close(idx, ln, want_idx, want_len, logits, 1e-4)
+    assert n <= s_q // 10
+
+
+def test_topk_blocks_and_poison(monkeypatch):
+    """Several workspace blocks (a small budget) give what one block gives; rows past the last
+    block and slots past topk_length are all written."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, s_kv, topk = 1000, 2500, 128
+    q, k, w, _, _ = rand_inputs(s_q, 64, 128, s_kv, seed=11)
+    one = mk.indexer_topk(q, k, w, topk, return_logits=True)
+    monkeypatch.setattr(indexer_host, "WORKSPACE_BYTES", 100 * s_kv * 4)  # 96-row blocks
+    assert indexer_host.block_rows(s_q, s_kv) == 96
+    many = mk.indexer_topk(q, k, w, topk, return_logits=True)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+    assert (one[0] != -12345).all() and not torch.isnan(one[2][one[0] >= 0]).any()
+    assert torch.isneginf(one[2][one[0] < 0]).all()
+
+
+def test_topk_large_causal_sampled_rows(monkeypatch):
+    """S = 32768 causal (4 workspace blocks by default... of 4096 rows: 8 blocks); 256 sampled rows
+    against the reference; the extra memory stays within the workspace bound."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    S, topk = 32768, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.randn(S, 64, 128, device="cuda", generator=g) / 4).bfloat16()
+    k = (torch.randn(S, 128, device="cuda", generator=g) / 4).bfloat16()
+    w = torch.randn(S, 64, device="cuda", generator=g) / 8
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    idx, ln = mk.indexer_topk(q, k, w, topk, sm_scale=128 ** -0.5)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= indexer_host.WORKSPACE_BYTES + 2 * S * topk * 4 + (64 << 20), f"{extra / 2**20:.0f} MiB"
+    rows = torch.cat([torch.arange(0, 8), torch.randint(8, S, (240,), generator=torch.Generator().manual_seed(1))])
+    rows = rows.cuda()
+    kend = rows.int() + 1
+    kst = torch.zeros_like(kend)
+    want_idx, want_len = ref.indexer_topk_ref(q[rows], k, w[rows], topk, 128 ** -0.5, kst, kend)
+    logits = ref.indexer_logits_ref(q[rows], k, w[rows], 128 ** -0.5, kst, kend)
+    assert_topk_close(idx[rows], ln[rows], want_idx, want_len, logits, 1e-4)
+    assert (ln == torch.clamp(torch.arange(S, device="cuda") + 1, max=topk)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+
+
+def loss_case(s_q, s_kv, topk, d=128, seed=0, tl=False):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(s_q, 64, d, generator=g) / 4).bfloat16().cuda()
+    k = (torch.randn(s_kv, d, generator=g) / 4).bfloat16().cuda()
+    w = (torch.randn(s_q, 64, generator=g) / 8).cuda()
+    idx = torch.randint(0, s_kv, (s_q, topk), generator=g)
+    bad = torch.rand(s_q, topk, generator=g) < 0.05
+    idx = torch.where(bad, torch.randint(-3, 0, (s_q, topk), generator=g), idx)
+    idx[0] = -1  # empty row
+    if topk > 2:
+        idx[1, 1] = idx[1, 0]  # duplicate
+    tgt = torch.rand(s_q, topk, generator=g)
+    tgt[2 % s_q] = 0.0  # zero target sum
+    tgt = tgt * (torch.rand(s_q, topk, generator=g) < 0.8)  # p = 0 slots
+    lens = None
+    if tl:
+        lens = torch.randint(0, topk + 1, (s_q,), generator=g).int().cuda()
+    return q, k, w, idx.int().cuda(), tgt.cuda(), lens
+
+
+@pytest.mark.parametrize("s_q,s_kv,topk,d,tl", [
+    (5, 100, 64, 128, False),
+    (97, 1000, 200, 128, True),
+    (300, 4000, 2048, 128, False),
+    (64, 500, 4100, 64, True),
+])
+def test_loss_forward_vs_reference(s_q, s_kv, topk, d, tl, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(s_q, s_kv, topk, d, seed=topk, tl=tl)
+    got = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
+    torch.cuda.synchronize()
+    want = ref.indexer_loss_fwd_ref(q, k, w, idx, tgt, d ** -0.5, lens)[0]
+    assert got.dtype == torch.float32 and not torch.isnan(got).any()
+    assert got[0] == 0 and got[2 % s_q] == 0
+    err = (got.double() - want.double()).abs()
+    assert (err <= 1e-4 * (1 + want.double().abs())).all(), f"max err {err.max().item():.3g}"
+
+
+def run_loss_grads(q, k, w, idx, tgt, lens, det, g_rows):
+    qq, kk, ww = (x.clone().requires_grad_(True) for x in (q, k, w))
+    rows = mk.indexer_loss(qq, kk, ww, idx, tgt, sm_scale=q.shape[-1] ** -0.5, topk_length=lens, reduction="none",
+                           deterministic=det)
+    (rows * g_rows).sum().backward()
+    return qq.grad, kk.grad, ww.grad
+
+
+@pytest.mark.parametrize("s_q,s_kv,topk,d,tl", [
+    (9, 100, 64, 128, False),
+    (150, 700, 300, 128, True),
+    (400, 3000, 1024, 64, False),
+])
+@pytest.mark.parametrize("det", [False, True])
+def test_loss_backward_vs_reference(s_q, s_kv, topk, d, tl, det, monkeypatch):
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(s_q, s_kv, topk, d, seed=s_q, tl=tl)
+    g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(1)).cuda()
+    dq, dk, dw = run_loss_grads(q, k, w, idx, tgt, lens, det, g_rows)
+    torch.cuda.synchronize()
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)
+    wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)
+    assert dq.dtype == torch.bfloat16 and dk.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
+        assert not torch.isnan(a).any(), f"NaN in {name}"
+        assert rel_l2(a.float(), b) <= 1e-2, f"{name} rel L2 {rel_l2(a.float(), b):.3g}"
+    assert (dq[0] == 0).all() and (dw[0] == 0).all() and (dq[2 % s_q] == 0).all()
+    used = torch.zeros(s_kv, dtype=torch.bool, device="cuda")
+    v = ref.valid_mask(idx, s_kv, lens) & (inv > 0)[:, None]
+    used[idx[v].long()] = True
+    assert (dk[~used] == 0).all(), "keys no active slot selects must get dk == 0"
+    if det:
+        again = run_loss_grads(q, k, w, idx, tgt, lens, det, g_rows)
+        for a, b in zip((dq, dk, dw), again):
+            assert torch.equal(a, b), "deterministic gradients differ run to run"
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_loss_backward_dk_bulk(d, monkeypatch):
+    """dk added by bulk reduce (rows staged in smem) instead of 16-byte atomics."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_DK, "bulk")
+    q, k, w, idx, tgt, lens = loss_case(150, 700, 300, d, seed=4, tl=True)
+    g_rows = torch.randn(150, generator=torch.Generator().manual_seed(2)).cuda()
+    dq, dk, dw = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
+    torch.cuda.synchronize()
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)
+    wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)
+    for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
+        assert rel_l2(a.float(), b) <= 1e-2, f"{name} rel L2 {rel_l2(a.float(), b):.3g}"
+
+
+def test_loss_headline_shape_fwd_bwd(monkeypatch):
+    """S = 8192 causal with the kernel's own top-k and the attention-like target."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    S, topk = 8192, 2048
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = (torch.randn(S, 64, 128, device="cuda", generator=g) / 4).bfloat16()
+    k = (torch.randn(S, 128, device="cuda", generator=g) / 4).bfloat16()
+    w = torch.randn(S, 64, device="cuda", generator=g) / 8
+    idx, ln = mk.indexer_topk(q, k, w, topk, sm_scale=128 ** -0.5)
+    tgt = torch.rand(S, topk, device="cuda", generator=g) * (idx >= 0)
+    g_rows = torch.ones(S, device="cuda") / S
+    dq, dk, dw = run_loss_grads(q, k, w, idx, tgt, ln, False, g_rows)
+    rows = torch.arange(0, S, 37, device="cuda")
+    _, lse, inv = ref.indexer_loss_fwd_ref(q[rows], k, w[rows], idx[rows], tgt[rows], 128 ** -0.5, ln[rows])
+    wq, _, ww = ref.indexer_loss_bwd_ref(q[rows], k, w[rows], idx[rows], tgt[rows], g_rows[rows], lse, inv,
+                                         128 ** -0.5, ln[rows])
+    assert rel_l2(dq[rows].float(), wq.float()) <= 1e-2
+    assert rel_l2(dw[rows].float(), ww.float()) <= 1e-2
+    assert not torch.isnan(dk).any() and dk.abs().sum() > 0

@@ -1,0 +1,345 @@
+#!/usr/bin/env python3
+"""Benchmark of the indexer half of a DSA layer: ``indexer_topk`` (bf16, fp8), ``indexer_loss``
+(forward, backward, forward + backward, deterministic backward), with peak extra memory, beside
+cuDNN-frontend's sm90 indexer kernels when they are importable.
+
+One causal sequence of S tokens, h_idx 64, d_idx 128, topk 2048 (the issue's shape).  Method as
+``tools/bench.py``: CUDA events around one call of the public API (validation included), median
+of ``--reps`` runs after ``--warmup``, inputs rotated over ``--sets`` input sets.  Peak memory:
+``torch.cuda.max_memory_allocated`` during one call minus what was allocated before it (inputs
+excluded, outputs included).
+
+FLOPs (reported as TFLOPS beside ms): scores ``2 h d S (S+1) / 2`` (causal pairs only); one
+sparse pass over the selected keys ``2 S topk h d`` (loss forward 1 pass, backward 3).
+
+``rows(args)`` returns the measurements as a list of dicts; ``bench_rows(ctx)`` is the
+``tools/bench.py --ops indexer`` family hook (shapes ``S32k``, ``S64k``; ``S128k`` on request);
+``python tools/bench_indexer.py`` prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import mla_kernels as mk  # noqa: E402
+
+H, D = 64, 128
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--seqs", default="32768,65536", help="comma-separated sequence lengths S")
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
+                    help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
+                         "topk_parts (score and select kernels timed apart)")
+    ap.add_argument("--no-peer", action="store_true", help="do not time cuDNN-frontend")
+    ap.add_argument("--peer-only", action="store_true", help="time only cuDNN-frontend")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sets", type=int, default=2)
+
+
+_ON_CUDA = [True]  # where rows() runs (bench.py --cpu may ask for the CPU on a GPU host)
+
+
+def _time(fn, n_sets, warmup, reps):
+    for i in range(warmup):
+        fn(i % n_sets)
+    if not _ON_CUDA[0]:
+        times = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(i % n_sets)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), times
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(i % n_sets)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times), times
+
+
+def _peak_mib(fn):
+    if not _ON_CUDA[0]:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(0)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    del out
+    return peak
+
+
+def _inputs(S, n_sets, dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    sets = []
+    for _ in range(n_sets):
+        q = (torch.randn(S, H, D, device=dev, generator=g) / 4).bfloat16()
+        k = (torch.randn(S, D, device=dev, generator=g) / 4).bfloat16()
+        w = torch.randn(S, H, device=dev, generator=g) / 8
+        sets.append(dict(q=q, k=k, w=w))
+    return sets
+
+
+def _row(rows, case, backend, S, topk, med, times, flop=None, peak=None, note=""):
+    r = dict(op="indexer", case=case, backend=backend, S=S, h_idx=H, d_idx=D, topk=topk, ms=med,
+             min_ms=min(times), max_ms=max(times), reps=len(times), flop=flop,
+             tflops=(flop / (med * 1e-3) / 1e12) if flop else None, peak_mib=peak, note=note)
+    rows.append(r)
+    tf = f"{r['tflops']:7.1f} TFLOPS" if r["tflops"] else " " * 14
+    pk = f"{peak:9.0f} MiB" if peak is not None else ""
+    print(f"  S {S:>6} {case:<22} {backend:<7} {med:9.3f} ms {tf} {pk} {note}", flush=True)
+
+
+def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
+    """The two kernels of ``indexer_topk`` timed apart over all row blocks: the score kernel into
+    the workspace, and the select kernel over a workspace of real scores (the last block's)."""
+    from mla_kernels.api_indexer import make_indexer_problem
+    from mla_kernels.common import host
+    from mla_kernels.sm90 import indexer_host as ih
+
+    probs = [make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale) for s in sets]
+    ins = [ih._score_inputs(p) for p in probs]
+    score, select = ih._score_fn(probs[0]), ih._topk_fn(probs[0], False)
+    rows = ih.block_rows(S, S)
+    ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
+    idx = torch.empty(S, TOPK, dtype=torch.int32, device="cuda")
+    ln = torch.empty(S, dtype=torch.int32, device="cuda")
+    dummy = host.dummy(torch.float32, ws.device, (1, 1))
+
+    def f_score(i):
+        q2, k, w_eff, ks = ins[i]
+        p = probs[i]
+        for q0 in range(0, S, rows):
+            score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
+
+    def f_select(i):
+        p = probs[i]
+        for q0 in range(0, S, rows):
+            select(ws[: min(rows, S - q0)], p.k_start, p.k_end, idx, ln, dummy, q0)
+
+    med, ts = _time(f_score, args.sets, args.warmup, args.reps)
+    _row(out, "topk_part_scores", "ours", S, TOPK, med, ts, fl_scores)
+    med, ts = _time(f_select, args.sets, args.warmup, args.reps)
+    _row(out, "topk_part_select", "ours", S, TOPK, med, ts, None, None, f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+
+
+def _cudnn():
+    try:
+        from cudnn.deepseek_sparse_attention import (  # noqa: F401
+            indexer_backward_wrapper, indexer_forward_wrapper, indexer_top_k_wrapper,
+            sparse_indexer_score_recompute_wrapper)
+        import cudnn.deepseek_sparse_attention as m
+
+        return m
+    except Exception as e:  # not installed here
+        print(f"  (cuDNN-frontend not importable: {type(e).__name__}: {e}; its rows are skipped)")
+        return None
+
+
+def rows(args):
+    """Measure every requested case; returns a list of dicts (one per case x backend x S)."""
+    dev = str(getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.startswith("cuda")
+    dev = "cuda" if cuda else "cpu"
+    _ON_CUDA[0] = cuda
+    seqs, TOPK = [int(x) for x in args.seqs.split(",")], args.topk
+    if not cuda:
+        seqs, TOPK = [128], 16
+        print("NOTE: no CUDA GPU here -- a tiny shape (S 128, topk 16) on the CPU PyTorch reference only; "
+              "kernel numbers need an sm_90 GPU (see docs/PERF.md)")
+    else:
+        print(f"GPU: {torch.cuda.get_device_name()}; backend: {mk.backend_for('cuda')}; "
+              f"h_idx {H}, d_idx {D}, topk {TOPK}, causal")
+    backend = mk.backend_for(dev)
+    ours = "ours" if backend != "reference" else "reference"
+    cases = args.cases.split(",")
+    peer = None if (args.no_peer or not cuda) else _cudnn()
+    mine = [] if getattr(args, "peer_only", False) else cases
+    out = []
+    scale = D ** -0.5
+    for S in seqs:
+        fl_scores = 2.0 * H * D * S * (S + 1) / 2
+        fl_pass = 2.0 * S * TOPK * H * D
+        sets = _inputs(S, args.sets, dev)
+        if "topk" in mine:
+            def f(i):
+                s = sets[i]
+                return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
+            med, ts = _time(f, args.sets, args.warmup, args.reps)
+            _row(out, "topk_bf16", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
+        if "topk_fp8" in mine:
+            s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
+                       qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+
+            def f(i):
+                s = s8[i]
+                return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"],
+                                       k_scale=s["ks"])
+            med, ts = _time(f, args.sets, args.warmup, args.reps)
+            _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
+            del s8
+        if "topk_parts" in mine and cuda:
+            _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
+        if "loss" in mine or "loss_det" in mine or "loss_bulk" in mine:
+            idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
+            g = torch.Generator(device=dev).manual_seed(1)
+            tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
+            leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
+                           w=s["w"].clone().requires_grad_(True)) for s in sets]
+            variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "red")] if "loss_det" in mine else [])
+            variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
+            for det, dk in variants:
+                tag = ("_det" if det else "") + ("_dkbulk" if dk == "bulk" else "")
+                os.environ["MLA_KERNELS_INDEXER_DK"] = dk
+
+                def fwd(i, det=det):
+                    s = leaves[i]
+                    with torch.no_grad():
+                        return mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
+                                               deterministic=det)
+
+                def fwd_bwd(i, det=det):
+                    s = leaves[i]
+                    for x in s.values():
+                        x.grad = None
+                    loss = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
+                                           deterministic=det)
+                    loss.backward()
+                    return loss
+
+                if not det and dk == "red":
+                    med, ts = _time(fwd, args.sets, args.warmup, args.reps)
+                    _row(out, "loss_fwd", ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
+                med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
+                _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
+            os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
+            del leaves
+        if peer is not None:
+            _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)
+        del sets
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def _peer_rows(out, m, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass):
+    """cuDNN-frontend 1.32.0's sm90 indexer (see ../shared/peers/time_cudnn_indexer.py): dense
+    [S, S] f32 scores + radix top-k; predict recompute + indexer backward (the KL in PyTorch)."""
+    p_sets = [dict(q=s["q"].view(1, S, H, D), k=s["k"].view(1, S, 1, D), w=s["w"].bfloat16().view(1, S, H))
+              for s in sets]
+    seq = torch.arange(1, S + 1, dtype=torch.int32, device="cuda")
+
+    def run(case, fn, flop):
+        try:
+            med, ts = _time(fn, args.sets, args.warmup, args.reps)
+            _row(out, case, "cudnn", S, TOPK, med, ts, flop, _peak_mib(fn))
+        except Exception as e:  # report, keep going
+            print(f"  S {S:>6} {case:<22} cudnn   FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        torch.cuda.empty_cache()
+
+    def topk(i, fp8=False):
+        s = p_sets[i]
+        if fp8:
+            sc = m.indexer_forward_wrapper(s["q8"], s["k8"], s["w"], ratio=1, sm_scale=scale, precision="fp8",
+                                           q_scale=s["qs"], k_scale=s["ks"])["scores"]
+        else:
+            sc = m.indexer_forward_wrapper(s["q"], s["k"], s["w"], ratio=1, sm_scale=scale)["scores"]
+        sc = sc.view(S, -1)[:, :S]
+        return m.indexer_top_k_wrapper(sc if sc.is_contiguous() else sc.contiguous(), seq, TOPK)
+
+    if "topk" in cases:
+        run("topk_bf16", topk, fl_scores)
+    if "topk_fp8" in cases:
+        for s in p_sets:
+            s.update(q8=s["q"].to(torch.float8_e4m3fn), k8=s["k"].to(torch.float8_e4m3fn),
+                     qs=torch.ones(1, S, H, device="cuda"), ks=torch.ones(1, S, 1, device="cuda"))
+        run("topk_fp8", lambda i: topk(i, True), fl_scores)
+        for s in p_sets:
+            del s["q8"], s["k8"]
+    if "loss" in cases:
+        idx, _ = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
+        idx = idx.view(1, S, TOPK)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        tgt0 = torch.softmax(torch.randn(1, S, TOPK, device="cuda", generator=g), -1).masked_fill(idx < 0, 0)
+        one = torch.ones(1, device="cuda")
+
+        def pred(i):
+            s = p_sets[i]
+            return m.sparse_indexer_score_recompute_wrapper(s["q"], s["k"][:, :, 0], s["w"], idx)["predict"]
+
+        def fwd_bwd(i):
+            s = p_sets[i]
+            p = pred(i)
+            # the KL in PyTorch (what a cuDNN user writes), then the staged backward
+            kl = (tgt0 * (torch.log(tgt0.clamp_min(1e-30)) - torch.log(p.clamp_min(1e-30)))).sum(-1).mean()
+            tgt = tgt0.clone()  # the backward overwrites its target
+            m.indexer_backward_wrapper(s["q"], s["w"], s["k"][:, :, 0], tgt, p, idx, one, sm_scale=scale)
+            return kl
+
+        run("loss_fwd", pred, fl_pass)
+        run("loss_fwd_bwd", fwd_bwd, 4 * fl_pass)
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/bench.py family hook
+# ---------------------------------------------------------------------------------------------
+
+SHAPES = ("S32k", "S64k", "S128k")
+DESCRIPTION = "indexer: indexer_topk (bf16, fp8) and indexer_loss (fwd, fwd+bwd, deterministic) beside cuDNN"
+
+
+def bench_rows(ctx):
+    """``tools/bench.py --ops indexer``: this tool's rows in bench.py's row format (op
+    ``indexer_<case>``, shape ``S32k`` ..., impl ``ours`` / ``cudnn`` / ``reference``)."""
+    sizes = {"S32k": 32768, "S64k": 65536, "S128k": 131072}
+    if ctx.shapes:
+        seqs = [sizes[n] for n in SHAPES if n in ctx.shapes]
+    else:
+        seqs = [32768, 65536]
+    if not seqs:
+        return []
+    args = argparse.Namespace(seqs=",".join(str(x) for x in seqs), topk=2048, device=ctx.device.type,
+                              cases="topk,topk_fp8,loss,loss_det", no_peer=False, peer_only=False,
+                              reps=ctx.reps, warmup=ctx.warmup, sets=max(1, min(ctx.sets, 2)))
+    out = []
+    for r in rows(args):
+        S = r["S"]
+        shape = next((n for n, v in sizes.items() if v == S), f"S{S}")
+        out.append(dict(r, op=f"indexer_{r['case']}", shape=shape, impl=r["backend"], flops=r.get("flop")))
+        ctx.progress(f"indexer {r['case']} {shape} {r['backend']}: {r['ms']:.3f} ms")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    res = rows(args)
+    if args.json:
+        meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    torch=torch.__version__, date=time.strftime("%Y-%m-%d"), reps=args.reps, warmup=args.warmup)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=res), f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
