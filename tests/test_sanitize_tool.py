@@ -21,7 +21,9 @@ def test_groups_cover_every_dispatchable_option():
     assert {g.topk_length for g in gs} == {True, False} and {g.sink for g in gs} == {True, False}
     assert {g.normalize for g in gs} == {True, False}
     ops = {op for g in gs for op in g.ops}
-    assert ops == {"fwd", "attn_dist", "bwd", "bwd_asum", "bwd_det", "bwd_det_asum", "bwd_dlse"}
+    assert ops == {"fwd", "attn_dist", "bwd", "bwd_asum", "bwd_det", "bwd_det_asum", "bwd_dlse",
+                   "decode_split_h128", "decode_direct_h64", "decode_narrow_split_h16",
+                   "decode_narrow_direct_h32_d512", "merge"}
     # attn_sum scaled (with a sink) and unscaled, deterministic with and without attn_sum
     assert any(g.sink and ("bwd_asum" in g.ops or "bwd_det_asum" in g.ops) for g in gs)
     assert any(not g.sink and ("bwd_asum" in g.ops or "bwd_det_asum" in g.ops) for g in gs)

@@ -70,6 +70,10 @@ GROUPS = (
     Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "bwd", "bwd_det", "bwd_dlse")),
     Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "bwd_asum", "bwd_det")),
     Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
+    # the decode path (paged cache, block table, q_bias, split-top-k + lse combine, one-split
+    # direct bf16 output, heads on the MMA's N side for h_q <= 32) and merge_attn_partials
+    Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_narrow_split_h16",
+                                             "decode_narrow_direct_h32_d512", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 
@@ -77,7 +81,13 @@ S_Q, S_KV, TOPK = 70, 1000, 200
 MARK = "@@SANITIZE"
 
 
+def is_decode_op(op: str) -> bool:
+    return op.startswith("decode") or op == "merge"
+
+
 def config_label(g: Group, op: str) -> str:
+    if is_decode_op(op):  # the op name carries its own h_q / d_qk (d576 unless named)
+        return f"{op:<13} " + " ".join(o for o, on in (("topk_len", g.topk_length), ("sink", g.sink)) if on)
     opts = [f"d{g.d_qk}", f"h{g.h_q}"]
     if g.topk_length:
         opts.append("topk_len")
@@ -140,15 +150,8 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
     from mla_kernels import reference as ref
 
     os.environ["MLA_KERNELS_BACKEND"] = backend
-    q, kv, idx, tl, sink = _case(g, seed=1234 + g.d_qk + g.h_q)
-    sm_scale = g.d_qk ** -0.5
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    qd, kvd, idxd = q.to(dev), kv.to(dev), idx.to(dev)
-    tld = tl.to(dev) if tl is not None else None
-    sinkd = sink.to(dev) if sink is not None else None
-    want_out, _, want_lse = ref.sparse_mla_fwd_ref(q.float(), kv.float(), idx, sm_scale, 512, tl, sink)
-    dout = (torch.randn(S_Q, g.h_q, 512, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16)
     failures = 0
 
     def step(op: str, fn, checks):
@@ -172,6 +175,18 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
             failures += 1
         print(f"{MARK} END {label} | check: {'ok' if err is None else 'FAILED ' + err}", flush=True)
         return res
+
+    if all(is_decode_op(op) for op in g.ops):
+        _decode_steps(g, step, dev)
+        return failures
+
+    q, kv, idx, tl, sink = _case(g, seed=1234 + g.d_qk + g.h_q)
+    sm_scale = g.d_qk ** -0.5
+    qd, kvd, idxd = q.to(dev), kv.to(dev), idx.to(dev)
+    tld = tl.to(dev) if tl is not None else None
+    sinkd = sink.to(dev) if sink is not None else None
+    want_out, _, want_lse = ref.sparse_mla_fwd_ref(q.float(), kv.float(), idx, sm_scale, 512, tl, sink)
+    dout = (torch.randn(S_Q, g.h_q, 512, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16)
 
     fwd = step("fwd", lambda: mk.sparse_mla_fwd(qd, kvd, idxd, sm_scale, 512, tld, sinkd),
                lambda r: [("out", r[0].float(), want_out, 1e-2), ("lse", r[2], want_lse, 1e-5)])
@@ -233,6 +248,61 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
 
         step("bwd_dlse", run_dlse, checks_dlse)
     return failures
+
+
+def _decode_steps(g: Group, step, dev) -> None:
+    """The decode kernels and the lse combine (``sparse_mla_decode`` with explicit plans,
+    ``merge_attn_partials``), each checked against the reference."""
+    import torch
+
+    import mla_kernels as mk
+    from mla_kernels import reference as ref
+
+    gen = torch.Generator().manual_seed(4321)
+    page, n_pages, b, s_q, topk = 16, 40, 3, 2, 256
+
+    def case(h, d_qk):
+        cache = (torch.randn(n_pages, page, 1, d_qk, generator=gen) * 0.1).to(torch.bfloat16)
+        q = (torch.randn(b, s_q, h, d_qk, generator=gen) * 0.1).to(torch.bfloat16)
+        bt = torch.randperm(n_pages, generator=gen)[: b * 12].reshape(b, 12).to(torch.int32)
+        idx = torch.randint(0, 12 * page, (b, s_q, topk), generator=gen)
+        idx = torch.where(torch.rand(b, s_q, topk, generator=gen) < 0.1, torch.full_like(idx, -1), idx).to(torch.int32)
+        idx[0, 1] = -1  # an empty row
+        tl = torch.randint(1, topk + 1, (b,), generator=gen).to(torch.int32) if g.topk_length else None
+        sink = torch.randn(h, generator=gen) if g.sink else None
+        bias = (torch.randn(b, h, d_qk, generator=gen) * 0.05).to(torch.bfloat16)
+        return cache, q, bt, idx, tl, sink, bias
+
+    def run(op, h, d_qk, splits):
+        cache, q, bt, idx, tl, sink, bias = case(h, d_qk)
+        scale = d_qk ** -0.5
+        w_out, w_lse = ref.sparse_mla_decode_ref(q.float(), cache.float(), idx, scale, 512, tl, sink, bt, bias)
+        to = lambda t: t.to(dev) if t is not None else None  # noqa: E731
+
+        def call():
+            plan = mk.decode_plan(b, s_q, h, topk, d_qk=d_qk, device=dev, num_splits=splits)
+            return mk.sparse_mla_decode(to(q), to(cache), to(idx), scale, 512, to(tl), to(sink),
+                                        block_table=to(bt), q_bias=to(bias), plan=plan)
+
+        step(op, call, lambda r: [("out", r[0].float(), w_out, 1e-2), ("lse", r[1], w_lse, 1e-5)])
+
+    for op, h, d_qk, splits in (("decode_split_h128", 128, 576, 3), ("decode_direct_h64", 64, 576, 1),
+                                ("decode_narrow_split_h16", 16, 576, 2),
+                                ("decode_narrow_direct_h32_d512", 32, 512, 1)):
+        if op in g.ops:
+            run(op, h, d_qk, splits)
+    if "merge" in g.ops:
+        n, rows, h = 3, 37, 128
+        outs = torch.randn(n, rows, h, 512, generator=gen)
+        lses = torch.randn(n, rows, h, generator=gen) * 3
+        lses[1, :5] = float("inf")  # empty parts
+        lses[:, 7] = float("inf")  # an all-empty row
+        sink = torch.randn(h, generator=gen) if g.sink else None
+        w_out, w_lse = ref.merge_attn_partials_ref(outs, lses, sink, torch.bfloat16)
+        step("merge", lambda: mk.merge_attn_partials(outs.to(dev), lses.to(dev),
+                                                     sink.to(dev) if sink is not None else None,
+                                                     out_dtype=torch.bfloat16),
+             lambda r: [("out", r[0].float(), w_out.float(), 1e-2), ("lse", r[1], w_lse, 1e-5)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,8 +44,6 @@ B_TOPK = dp.BLOCK  # indices per block
 THREADS = 384
 SMEM_LIMIT = 232448
 
-BAR_WG0_MAX = 1
-BAR_WG1_MAX = 2
 BAR_S0_READY = 3
 BAR_S1_READY = 4
 BAR_L_READY = 5
@@ -111,10 +109,13 @@ class SparseMlaDecodeSm90:
             sK1: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sS1: cute.struct.Align[cute.struct.MemRange[BFloat16, B_H * B_TOPK], 1024]
             sS0: cute.struct.Align[cute.struct.MemRange[BFloat16, max(s0_elems, 8)], 1024]
-            # 4 x (ready, free), valid
-            mbar: cute.struct.MemRange[cutlass.Int64, 9]
+            # 4 x (ready, free), valid, WG0's max published, WG1's final max published
+            mbar: cute.struct.MemRange[cutlass.Int64, 11]
             sValid: cute.struct.MemRange[Uint32, 4]
-            sM: cute.struct.MemRange[Float32, B_H]
+            # the row-max exchange: one array per writer and mbarrier signals, as in the forward
+            # (racecheck-clean; one shared array with named bar.arrive/bar.sync was not)
+            sM0: cute.struct.MemRange[Float32, B_H]  # written by WG0 only
+            sM1: cute.struct.MemRange[Float32, B_H]  # written by WG1 only
             sL: cute.struct.MemRange[Float32, 2 * B_H]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -191,12 +192,16 @@ class SparseMlaDecodeSm90:
         k1l = dev.HalfBufferBarriers(mbar + 4, mbar + 5)
         k1r = dev.HalfBufferBarriers(mbar + 6, mbar + 7)
         bar_valid = mbar + 8
+        max0_ready = dev.PhaseSignal(mbar + 9)
+        max1_ready = dev.PhaseSignal(mbar + 10)
 
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(4):
                     dev.HalfBufferBarriers.init(mbar + 2 * i, mbar + 1 + 2 * i, 128, 128)
                 cute.arch.mbarrier_init(bar_valid, 4)
+                max0_ready.init(128)
+                max1_ready.init(128)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -217,7 +222,8 @@ class SparseMlaDecodeSm90:
         num_iters = (num_blocks + 1) // 2
 
         sValid = storage.sValid.get_tensor(cute.make_layout(4))
-        sM = storage.sM.get_tensor(cute.make_layout(B_H))
+        sM0 = storage.sM0.get_tensor(cute.make_layout(B_H))
+        sM1 = storage.sM1.get_tensor(cute.make_layout(B_H))
         sL = storage.sL.get_tensor(cute.make_layout(2 * B_H))
         sK0_ptr = storage.sK0.data_ptr()
         sK1_ptr = storage.sK1.data_ptr()
@@ -239,8 +245,9 @@ class SparseMlaDecodeSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_Q_READY, number_of_threads=256)
             self.consumer(
-                mSink, mO, mLse, mML, scale_log2, flags, sValid, sM, sL, sQ, sK0, sK1, sS0, sS1,
-                k0l, k0r, k1l, k1r, bar_valid, split, token, h_blk, num_iters, wg, idx_in_wg,
+                mSink, mO, mLse, mML, scale_log2, flags, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1,
+                k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, split, token, h_blk, num_iters, wg,
+                idx_in_wg,
             )
 
     # ------------------------------------------------------------------------------------------
@@ -297,7 +304,8 @@ class SparseMlaDecodeSm90:
         scale_log2: Float32,
         flags: Int32,
         sValid: cute.Tensor,
-        sM: cute.Tensor,
+        sM0: cute.Tensor,
+        sM1: cute.Tensor,
         sL: cute.Tensor,
         sQ: cute.Tensor,
         sK0: cute.Tensor,
@@ -309,6 +317,8 @@ class SparseMlaDecodeSm90:
         k1l: cutlass.Constexpr,
         k1r: cutlass.Constexpr,
         bar_valid,
+        max0_ready: cutlass.Constexpr,
+        max1_ready: cutlass.Constexpr,
         split: Int32,
         token: Int32,
         h_blk: Int32,
@@ -371,16 +381,16 @@ class SparseMlaDecodeSm90:
                 dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
                 dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
                 if lane_quad == 0:
-                    sM[row0] = rM[0]
-                    sM[row1] = rM[1]
-                cute.arch.barrier_arrive(barrier_id=BAR_WG0_MAX, number_of_threads=256)
+                    sM0[row0] = rM[0]
+                    sM0[row1] = rM[1]
+                max0_ready.arrive()
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV0_rs)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k0l.release()
-                cute.arch.barrier(barrier_id=BAR_WG1_MAX, number_of_threads=256)
-                m0 = sM[row0]
-                m1 = sM[row1]
+                max1_ready.wait(parity)
+                m0 = sM1[row0]
+                m1 = sM1[row1]
                 sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
                 sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
                 rM[0] = m0
@@ -417,12 +427,12 @@ class SparseMlaDecodeSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 cute.arch.mbarrier_wait(bar_valid, parity)
                 dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
-                cute.arch.barrier(barrier_id=BAR_WG0_MAX, number_of_threads=256)
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM[row0], sM[row1])
+                max0_ready.wait(parity)
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
                 if lane_quad == 0:
-                    sM[row0] = rM[0]
-                    sM[row1] = rM[1]
-                cute.arch.barrier_arrive(barrier_id=BAR_WG1_MAX, number_of_threads=256)
+                    sM1[row0] = rM[0]
+                    sM1[row1] = rM[1]
+                max1_ready.arrive()
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV1_rs)
                 cute.copy(thr_st_p, tPrP, tPsS1)
