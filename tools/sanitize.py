@@ -326,7 +326,7 @@ def is_api_probe(record: str) -> bool:
     return "on CUDA API call to cuGetProcAddress" in record
 
 
-def parse_log(text: str, tool: str) -> Tuple[Dict[str, Tally], Optional[str], List[str], int]:
+def parse_log(text: str, tool: str, mark: str = MARK) -> Tuple[Dict[str, Tally], Optional[str], List[str], int]:
     """Split a sanitized workload's output by the BEGIN/END markers.
 
     Returns ``(per-config tallies, the tool's summary line, record headers outside any marker,
@@ -340,8 +340,8 @@ def parse_log(text: str, tool: str) -> Tuple[Dict[str, Tally], Optional[str], Li
     probes = 0
     cur: Optional[str] = None
     for line in text.splitlines():
-        if line.startswith(MARK):
-            rest = line[len(MARK):].strip()
+        if line.startswith(mark):
+            rest = line[len(mark):].strip()
             if rest.startswith("BEGIN "):
                 cur = rest[6:].strip()
                 per.setdefault(cur, Tally())

@@ -17,16 +17,16 @@ Exit 1 if anything was reported or a check failed; 2 without a GPU or compute-sa
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import re
-import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sanitize  # noqa: E402  (the log parser, the sanitizer lookup and options)
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 MARK = "@@SANITIZE_INDEXER"
@@ -136,49 +136,11 @@ def workload() -> int:
     return fails
 
 
-_HEADER = re.compile(r"^========= (\S.*)$")
-
-
 def parse(text):
-    """Per step: [errors, warnings, api probes, check]; the summary line; records outside steps."""
-    per, cur, summary, stray, probes = {}, None, None, [], 0
-    for line in text.splitlines():
-        if line.startswith(MARK):
-            rest = line[len(MARK):].strip()
-            if rest.startswith("BEGIN "):
-                cur = rest[6:]
-                per[cur] = [0, 0, 0, "?"]
-            elif rest.startswith("END "):
-                name, _, chk = rest[4:].partition(" | check: ")
-                per.setdefault(name, [0, 0, 0, "?"])[3] = chk
-                cur = None
-            continue
-        m = _HEADER.match(line)
-        if not m:
-            continue
-        body = m.group(1)
-        if body.startswith(("ERROR SUMMARY", "RACECHECK SUMMARY")):
-            summary = body
-            continue
-        if "on CUDA API call to cuGetProcAddress" in body:  # before the skips: it is a "Program hit" line
-            probes += 1
-            continue
-        if body.startswith(("COMPUTE-SANITIZER", "Target application", "Saved host")):
-            continue
-        if cur is None:
-            stray.append(body[:160])
-        else:
-            per[cur][1 if body.startswith("Warning") else 0] += 1
-    return per, summary, stray, probes
-
-
-def find_sanitizer():
-    exe = shutil.which("compute-sanitizer")
-    if exe:
-        return exe
-    hits = sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer")) + sorted(
-        glob.glob("/usr/local/cuda*/compute-sanitizer/compute-sanitizer"))
-    return hits[-1] if hits else None
+    """Per step: [errors, warnings, api probes, check]; the summary line; records outside steps
+    (``tools/sanitize.py``'s parser with this tool's markers)."""
+    per, summary, stray, probes = sanitize.parse_log(text, "", mark=MARK)
+    return ({k: [t.errors, t.warnings, t.api_probe, t.check] for k, t in per.items()}, summary, stray, probes)
 
 
 def main(argv=None) -> int:
@@ -195,7 +157,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("sanitize_indexer: needs an sm_90 GPU; none here")
         return 2
-    san = find_sanitizer()
+    san = sanitize.find_sanitizer()
     if san is None:
         print("sanitize_indexer: compute-sanitizer not found")
         return 2
@@ -203,10 +165,7 @@ def main(argv=None) -> int:
     tools = [t for t in args.tools.split(",") if t]
 
     def run(tool):
-        cmd = [san, "--tool", tool, "--print-limit", "100000", "--error-exitcode", "1"]
-        if tool == "racecheck":
-            cmd += ["--racecheck-report", "all"]
-        cmd += [sys.executable, os.path.abspath(__file__), "--workload"]
+        cmd = [san] + sanitize.tool_args(tool) + [sys.executable, os.path.abspath(__file__), "--workload"]
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
@@ -225,9 +184,7 @@ def main(argv=None) -> int:
             for name, (err, warn, _, chk) in per.items():
                 bad += bool(err or warn or chk != "ok")
                 print(f"{name:<28} {tool:<9} {err:>5} errors {warn:>5} warnings  check {chk}")
-            n_err = int(re.search(r"(\d+) error", summary).group(1)) if summary and "ERROR SUMMARY" in summary else None
-            clean = summary is not None and not stray and (
-                ("0 hazards" in summary) or (n_err is not None and n_err == probes))
+            clean = sanitize.summary_clean(summary, probes) and not stray
             bad += not clean
             print(f"{'(whole process)':<28} {tool:<9} rc={rc} {secs:.0f}s  {summary}  api-probes={probes}"
                   f"{'  stray: ' + stray[0] if stray else ''}")
