@@ -129,12 +129,7 @@ KERNELS = {
 #: (kernel family, barrier id) -> (most BAR.SYNC addresses, why that is safe).  Only ids synced by
 #: the same threads, in the same order, at every address: each barrier instance then completes
 #: at one instruction.  The sm100 kernels need none.
-DOCUMENTED = {
-    ("sm90_bwd", 5): (2, "BAR_EPI: the dQ epilogue's two syncs (last readers of sQ done; dQ stored to sQ), "
-                         "each reached by all 256 consumer threads in order, after the role branch"),
-    ("sm90_bwd", 4): (2, "BAR_ASUM: _attn_sum_block's two syncs (partials stored; partials read), "
-                         "warpgroup 0's 128 threads only, in order, every block"),
-}
+DOCUMENTED = {}  # every kernel keeps one bar.sync address per id
 
 
 def dynamic_ids(family: str):

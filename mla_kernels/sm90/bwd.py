@@ -66,7 +66,9 @@ BAR_DS = 2  # WG1 stored dS (WG1 arrives, WG0 waits)
 BAR_DS_WG1 = 7  # WG1 only: all of dS stored before WG1's own products read it
 BAR_DKV_DONE = 3  # WG1's dKV products finished reading P/dS (WG1 arrives, WG0 waits)
 BAR_ASUM = 4  # WG0 only: attention-sum partials in smem
-BAR_EPI = 5  # both: dQ epilogue
+BAR_EPI = 5  # both: dQ epilogue, last readers of sQ done
+BAR_EPI_STORED = 8  # both: dQ stored into sQ's tile (one id per sync site: docs/DSL_NOTES.md)
+BAR_ASUM_READ = 9  # WG0 only: attention-sum partials read (the next block may overwrite them)
 BAR_DELTA = 6  # WG1 only: delta rows in smem
 
 
@@ -119,7 +121,6 @@ class SparseMlaBwdSm90:
         # (+2% at 32k, +9% at 64k).  Both measured on the H200.
         self.ws_evict_last = True
         self.pair_cluster = True
-        self.dkv_double_buffer = True  # WG1's dKV chunks: products of c+1 in flight while c is scattered
         self.regs_consumer = 224
         self.regs_producer = 56
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -407,11 +408,6 @@ class SparseMlaBwdSm90:
         tKVrDS = thr_kv.make_fragment_A(thr_kv.partition_A(sDSt))
         tKVrP = thr_kv.make_fragment_A(thr_kv.partition_A(sPt))
         acc_kv = thr_kv.make_fragment_C(thr_kv.partition_shape_C((B_TOPK, 64)))
-        # WG1 (no RoPE dQ accumulator) has the registers for a second dKV accumulator: it overlaps
-        # each chunk's atomics with the next chunk's products.  WG0 computes and scatters in turn.
-        accs_kv = ((acc_kv,), (acc_kv,))
-        if const_expr(self.dkv_double_buffer):
-            accs_kv = ((acc_kv,), (acc_kv, thr_kv.make_fragment_C(thr_kv.partition_shape_C((B_TOPK, 64)))))
         acc_s = thr_s.make_fragment_C(thr_s.partition_shape_C((B_H, B_TOPK)))
 
         st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
@@ -482,7 +478,7 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[0], thr_kv, accs_kv[0], tKVrDS, tKVrP, sQt, sDOt, scatter, b)
+                self._dkv_chunks(self.dkv_chunks[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b)
             if const_expr(self.attn_sum):
                 self._attn_sum_tail(mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg)
         else:
@@ -532,7 +528,7 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[1], thr_kv, accs_kv[1], tKVrDS, tKVrP, sQt, sDOt, scatter, b)
+                self._dkv_chunks(self.dkv_chunks[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
 
@@ -550,7 +546,7 @@ class SparseMlaBwdSm90:
                 cute.copy(thr_st_r, thr_st_r.retile(rDQr),
                           thr_st_r.partition_D(cute.local_tile(sQ, (B_H, 64), (0, self.n_k_tiles - 1))))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)
+        cute.arch.barrier(barrier_id=BAR_EPI_STORED, number_of_threads=256)
         if warp_idx == 0:
             tDQsDQ, tDQgDQ = tma.token_tile_partition(tma_atom_dq, tma_dq, s_idx, (B_H, self.d_qk), (h_blk, 0), sQ)
             cute.copy(tma_atom_dq, tDQsDQ, tDQgDQ)
@@ -585,28 +581,22 @@ class SparseMlaBwdSm90:
             cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _dkv_chunks(self, chunks: cutlass.Constexpr, thr_kv, accs, tKVrDS, tKVrP, sQt, sDOt, scatter, b: Int32):
+    def _dkv_chunks(self, chunks: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b: Int32):
         """dKV[:, chunk] = dS^T Q[:, chunk] (+ P^T dO[:, chunk]) per 64-column chunk; scatter.
 
-        With two accumulators (``accs``) the products of chunk ``c + 1`` are issued before chunk
-        ``c`` is scattered, so its atomics run under the tensor cores' work; with one, each chunk
-        is computed, waited for and scattered in turn."""
-        n_acc = len(accs)
-        for c in cutlass.range_constexpr(len(chunks) + n_acc - 1):
-            if const_expr(c < len(chunks)):
-                ch = chunks[c]
-                acc = accs[c % n_acc]
-                tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
-                cute.nvgpu.warpgroup.fence()
-                self._gemm(MN_MAJ, MN_MAJ, 64, acc, tKVrDS, tB_q, 0, 4, True)
-                if const_expr(ch < self.n_v_tiles):
-                    tB_do = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sDOt, (64, B_H), (ch, 0))))
-                    self._gemm(MN_MAJ, MN_MAJ, 64, acc, tKVrP, tB_do, 0, 4, False)
-                cute.nvgpu.warpgroup.commit_group()
-            done = c - (n_acc - 1)  # the chunk whose products are complete after this wait
-            if const_expr(done >= 0):
-                cute.nvgpu.warpgroup.wait_group(n_acc - 1 if c < len(chunks) else len(chunks) - 1 - done)
-                scatter.chunk(accs[done % n_acc], chunks[done], b)
+        (A second accumulator that kept chunk c+1's products in flight while chunk c is scattered
+        measured 0.994-0.996x of this -- no gain -- and was dropped.)"""
+        for c in cutlass.range_constexpr(len(chunks)):
+            ch = chunks[c]
+            tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
+            cute.nvgpu.warpgroup.fence()
+            self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrDS, tB_q, 0, 4, True)
+            if const_expr(ch < self.n_v_tiles):
+                tB_do = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sDOt, (64, B_H), (ch, 0))))
+                self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrP, tB_do, 0, 4, False)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            scatter.chunk(acc_kv, ch, b)
 
     @cute.jit
     def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg):
@@ -637,7 +627,7 @@ class SparseMlaBwdSm90:
                 total = total + sPsum[w * B_TOPK + idx_in_wg]
             mAsum[s_idx, h_blk, b * B_TOPK + idx_in_wg] = total
         # The partials are overwritten by the next block only after every reader passed here.
-        cute.arch.barrier(barrier_id=BAR_ASUM, number_of_threads=128)
+        cute.arch.barrier(barrier_id=BAR_ASUM_READ, number_of_threads=128)
 
     @cute.jit
     def _attn_sum_tail(self, mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg):
