@@ -67,6 +67,11 @@ def d_attn_sink(p: Problem, lse_eff: torch.Tensor, delta: torch.Tensor) -> torch
     return -(p_sink * delta).sum(dim=0)
 
 
+#: The backward kernel's attributes this host code reads (kept in the compile cache's manifest, so a
+#: process that loads the kernel from disk has them without importing the kernel class).
+KERNEL_HOST_ATTRS = ("ws_row_heads", "det_ws_dtype", "ws_col_perm")
+
+
 def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, deterministic: bool,
             has_dlse: bool):
     """``(kernel object, compiled function)`` of one configuration (compiled once per process)."""
@@ -74,7 +79,8 @@ def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, de
     has_tl = p.topk_length is not None
     key = (name, p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
     return _compile.cached_compile(
-        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
+        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch),
+        host_attrs=KERNEL_HOST_ATTRS,
     )
 
 
@@ -193,10 +199,14 @@ def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor,
     acc[uniq] += seg  # one addition per (unique) row: no collisions
 
 
-def _segment_sum_fn(d: int, device, bf16_rows: bool = False):
-    from .segment_sum import compile_segment_sum
+def _compile_segment_sum(d: int, arch: str, bf16_rows: bool):
+    from .segment_sum import compile_segment_sum  # the kernel module (imports the DSL): only to compile
 
+    return compile_segment_sum(d, arch, bf16_rows)
+
+
+def _segment_sum_fn(d: int, device, bf16_rows: bool = False):
     arch = _compile.arch_for_device(device)
     _, fn = _compile.cached_compile(("SegmentSum", d, bf16_rows, arch),
-                                    lambda: compile_segment_sum(d, arch, bf16_rows))
+                                    lambda: _compile_segment_sum(d, arch, bf16_rows))
     return fn

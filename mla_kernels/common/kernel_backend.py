@@ -144,10 +144,10 @@ class CuteKernelBackend(Backend):
         if why:
             return why
         if not CuteKernelBackend._dsl_checked:
-            try:
-                import cutlass.cute  # noqa: F401  (importability check)
-            except Exception as e:  # pragma: no cover - depends on the installation
-                CuteKernelBackend._dsl_error = f"CuTe DSL (nvidia-cutlass-dsl) not importable: {e}"
+            # found, not imported: a process whose kernels all come from the on-disk cache never
+            # imports the DSL (see _compile.py)
+            why = _compile.dsl_available()
+            CuteKernelBackend._dsl_error = f"CuTe DSL not available: {why}" if why else None
             CuteKernelBackend._dsl_checked = True
         return CuteKernelBackend._dsl_error
 

@@ -36,6 +36,9 @@ ENV_DK = "MLA_KERNELS_INDEXER_DK"
 #: step, the first version's behaviour; default 4).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 FP8 = torch.float8_e4m3fn
+#: The loss kernels' largest top-k (``indexer_loss_fwd.MAX_TOPK``, repeated here so that the host
+#: side does not import the kernel module; a test checks that they agree).
+MAX_TOPK = 8192
 SCORE_BN = 256  # the score kernel's (query, head) columns per CTA
 SCORE_BM = 64  # its key rows per tile
 
@@ -56,8 +59,6 @@ def supports(op: str, p) -> Optional[str]:
         if p.s_kv >= 2**31 - SCORE_BM or p.s_q * p.h >= 2**31 - SCORE_BN:
             return "sizes beyond int32 indexing"
         return None
-    from .indexer_loss_fwd import MAX_TOPK
-
     if p.dtype != torch.bfloat16:
         return f"dtype {p.dtype} (the loss kernels take bfloat16)"
     if p.h != 64:
@@ -97,22 +98,46 @@ def _score_inputs(p):
     return q2, k, w_eff.reshape(-1).contiguous(), ks
 
 
-def _score_fn(p):
+# The kernel modules import the CuTe DSL: they are imported only inside a compile (the build of a
+# compile-cache key), never on a call whose kernel comes from memory or the on-disk cache.
+
+
+def _compile_score(fp8, h, d, arch):
     from .indexer_score import compile_score
 
+    return compile_score(fp8, h, d, arch)
+
+
+def _compile_topk(return_logits, arch, batch):
+    from .indexer_topk import compile_topk
+
+    return compile_topk(return_logits, arch, batch=batch)
+
+
+def _compile_loss_fwd(d, has_tl, cap, arch):
+    from .indexer_loss_fwd import compile_loss_fwd
+
+    return compile_loss_fwd(d, has_tl, cap, arch)
+
+
+def _compile_loss_bwd(d, has_tl, deterministic, arch, dk_bulk):
+    from .indexer_loss_bwd import compile_loss_bwd
+
+    return compile_loss_bwd(d, has_tl, deterministic, arch, dk_bulk=dk_bulk)
+
+
+def _score_fn(p):
     fp8, arch = p.is_fp8, _arch(p)
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, arch), lambda: compile_score(fp8, p.h, p.d, arch))
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, arch), lambda: _compile_score(fp8, p.h, p.d, arch))
 
 
 def _topk_fn(p, return_logits: bool):
-    from .indexer_topk import compile_topk
-
     arch = _arch(p)
     batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
     if batch not in (1, 2, 4, 8):
         raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
     return cached(("IndexerTopkSm90", return_logits, batch, arch),
-                  lambda: compile_topk(return_logits, arch, batch=batch))
+                  lambda: _compile_topk(return_logits, arch, batch))
 
 
 #: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.
@@ -191,12 +216,10 @@ def _loss_inputs(p):
 
 
 def run_loss_fwd(p):
-    from .indexer_loss_fwd import MAX_TOPK, compile_loss_fwd
-
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     cap = 2048 if topk_p <= 2048 else MAX_TOPK
     has_tl, arch = p.topk_length is not None, _arch(p)
-    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, arch), lambda: compile_loss_fwd(p.d, has_tl, cap, arch))
+    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, arch), lambda: _compile_loss_fwd(p.d, has_tl, cap, arch))
     loss = host.alloc((p.s_q,), torch.float32, p.device)
     lse = host.alloc((p.s_q,), torch.float32, p.device)
     inv = host.alloc((p.s_q,), torch.float32, p.device)
@@ -207,7 +230,6 @@ def run_loss_fwd(p):
 def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     from ..common.bwd_host import DET_WORKSPACE_BYTES, reduce_slot_rows
     from ..reference import valid_mask
-    from .indexer_loss_bwd import compile_loss_bwd
 
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     has_tl, arch = p.topk_length is not None, _arch(p)
@@ -216,7 +238,7 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
         raise ValueError(f"{ENV_DK}={mode!r}: expected red or bulk")
     bulk = mode == "bulk" and not deterministic
     fn = cached(("IndexerLossBwdSm90", p.d, has_tl, deterministic, bulk, arch),
-                lambda: compile_loss_bwd(p.d, has_tl, deterministic, arch, dk_bulk=bulk))
+                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, bulk))
     dev = p.device
     g = grad_rows.float().contiguous()
     lse, inv = lse.float().contiguous(), inv.float().contiguous()
