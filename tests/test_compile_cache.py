@@ -346,47 +346,75 @@ def test_indexer_host_max_topk_matches_the_kernel():
 
 _FIRST_CALL = textwrap.dedent("""
     import json, os, sys, time
-    import torch
+    op = sys.argv[1]
     t0 = time.perf_counter()
+    import torch
+    t1 = time.perf_counter()
     import mla_kernels as mk
     from mla_kernels import _compile
-    t_import = time.perf_counter() - t0
+    t_import = time.perf_counter() - t1
+    torch.cuda.init()
     g = torch.Generator().manual_seed(0)
     q = (torch.randn(64, 128, 576, generator=g) * 0.1).to("cuda", torch.bfloat16)
     kv = (torch.randn(4096, 1, 576, generator=g) * 0.1).to("cuda", torch.bfloat16)
     idx = torch.randint(0, 4096, (64, 1, 2048), generator=g).to("cuda", torch.int32)
+    dout = (torch.randn(64, 128, 512, generator=g) * 0.1).to("cuda", torch.bfloat16)
+    kc = kv.view(64, 64, 1, 576)  # the decode's paged cache: 64 pages of 64 rows
     torch.cuda.synchronize()
+    phases_before = _compile.first_call_phases()
+    if op == "bwd":  # the forward first (its own first call, warm or cold), then time the backward's
+        out, _, lse = mk.sparse_mla_fwd(q, kv, idx, 576 ** -0.5)
+        torch.cuda.synchronize()
+        phases_before = _compile.first_call_phases()
+
+    def call():
+        if op == "fwd":
+            return mk.sparse_mla_fwd(q, kv, idx, 576 ** -0.5)[0]
+        if op == "bwd":
+            return mk.sparse_mla_bwd(q, kv, out, dout, idx, lse, 576 ** -0.5)[0]
+        return mk.sparse_mla_decode(q.view(64, 1, 128, 576), kc, idx.view(64, 1, 2048), 576 ** -0.5)[0]
+
     t0 = time.perf_counter()
-    out, _, lse = mk.sparse_mla_fwd(q, kv, idx, 576 ** -0.5)
+    res = call()
     torch.cuda.synchronize()
     t_first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    out2, _, _ = mk.sparse_mla_fwd(q, kv, idx, 576 ** -0.5)
+    res2 = call()
     torch.cuda.synchronize()
     t_second = time.perf_counter() - t0
-    print("RESULT " + json.dumps(dict(import_s=t_import, first_call_s=t_first, second_call_s=t_second,
-                                      checksum=out.float().sum().item(), equal=bool(torch.equal(out, out2)),
+    print("RESULT " + json.dumps(dict(op=op, import_s=t_import,
+                                      first_call_s=t_first, second_call_s=t_second,
+                                      checksum=res.float().sum().item(), equal=bool(torch.equal(res, res2)),
+                                      dsl_imported="cutlass" in sys.modules,
+                                      kernel_modules=sorted(m for m in sys.modules if m.startswith(
+                                          ("mla_kernels.sm90.", "mla_kernels.sm100.")) and not m.endswith("_host")),
+                                      phases_before=phases_before,
                                       phases=_compile.first_call_phases(), **_compile.cache_info())))
 """)
 
 
-def _first_call(cache: Path):
+def _first_call(cache: Path, op: str = "fwd"):
     env = dict(os.environ, MLA_KERNELS_CACHE_DIR=str(cache), MLA_KERNELS_BACKEND="sm90")
-    r = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _FIRST_CALL, op], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
 
 
 @skip_unless_sm90()
-def test_second_process_loads_the_compiled_kernel_from_disk(tmp_path):
-    cold = _first_call(tmp_path)
-    warm = _first_call(tmp_path)
-    warm2 = _first_call(tmp_path)
-    print(f"\nfirst call, cold cache: {cold['first_call_s']:.3f} s; warm: {warm['first_call_s']:.3f} s, "
-          f"{warm2['first_call_s']:.3f} s (import {warm['import_s']:.2f} s; second call "
-          f"{warm['second_call_s'] * 1e3:.2f} ms)\nphases cold {cold['phases']}\nphases warm {warm['phases']}")
+@pytest.mark.parametrize("op", ["fwd", "bwd", "decode"])
+def test_second_process_loads_the_compiled_kernel_from_disk(tmp_path, op):
+    cold = _first_call(tmp_path, op)
+    warm = _first_call(tmp_path, op)
+    warm2 = _first_call(tmp_path, op)
+    print(f"\n{op} first call, cold cache: {cold['first_call_s']:.3f} s; warm: {warm['first_call_s']:.3f} s, "
+          f"{warm2['first_call_s']:.3f} s (import mla_kernels {warm['import_s']:.3f} s; second call "
+          f"{warm['second_call_s'] * 1e3:.2f} ms; DSL imported: cold {cold['dsl_imported']}, warm "
+          f"{warm['dsl_imported']})\nphases cold {cold['phases']}\nphases warm {warm['phases']} "
+          f"(before the timed call: {warm['phases_before']})\nwarm stats {warm}")
     assert cold["compiled"] >= 1 and cold["stored"] >= 1
     assert warm["compiled"] == 0 and warm["loaded"] >= 1 and warm2["compiled"] == 0
     assert warm["checksum"] == cold["checksum"] and warm["equal"]
     assert warm["first_call_s"] < cold["first_call_s"]
+    if cold["linked"]:  # a C compiler was there: the warm process never imports the DSL
+        assert warm["warm"] >= 1 and not warm["dsl_imported"] and warm["kernel_modules"] == []
