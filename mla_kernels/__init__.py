@@ -16,7 +16,8 @@ Public API:
 * :func:`indexer_loss` -- the indexer's KL loss against the attention distribution (autograd).
 
 Importing the package also registers the ops as ``torch.library`` custom ops
-(``torch.ops.mla_kernels.sparse_mla_fwd``, ``attn_dist``, ``sparse_mla_bwd``; see
+(``torch.ops.mla_kernels.sparse_mla_fwd``, ``attn_dist``, ``sparse_mla_bwd``,
+``sparse_mla_decode``, ``merge_attn_partials``, ``indexer_logits``, ``indexer_topk``; see
 :mod:`mla_kernels.ops`): ``torch.compile`` and ``torch.export`` trace through them.
 """
 

@@ -56,11 +56,19 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _no_data(t: torch.Tensor) -> bool:
+    """True for a tensor without storage to look at: a fake tensor (a custom op's
+    ``register_fake``, ``torch.library.opcheck``) or any tensor while tracing."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or tracing()
+
+
 def _contig(t: torch.Tensor) -> torch.Tensor:
     """Contiguous and 16-byte aligned (kernels read rows with 16-byte vector loads / TMA)."""
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.numel() and t.data_ptr() % 16:
+    if t.numel() and not _no_data(t) and t.data_ptr() % 16:
         t = t.clone()
     return t
 
@@ -525,6 +533,15 @@ def merge_attn_partials(
     backward run with the merged ``out`` and ``lse``.  GPU: the lse combine kernel on sm90
     (bf16/float32 parts, ``d_v`` a multiple of 256 / 128), the PyTorch reference elsewhere.
     """
+    if tracing():
+        _check_merge(outs, lses, attn_sink, out_dtype)
+        return tuple(torch.ops.mla_kernels.merge_attn_partials(
+            outs.detach(), lses.detach(), attn_sink.detach() if attn_sink is not None else None, out_dtype))
+    return merge_attn_partials_eager(outs, lses, attn_sink, out_dtype)
+
+
+def _check_merge(outs, lses, attn_sink, out_dtype):
+    """Validate a merge's inputs (metadata only); returns ``out_dtype`` (resolved)."""
     _check_tensor("outs", outs, "of shape [n, ..., h_q, d_v]")
     _check_tensor("lses", lses, "of shape [n, ..., h_q]")
     if outs.dim() < 3:
@@ -542,9 +559,7 @@ def merge_attn_partials(
         out_dtype = outs.dtype
     if out_dtype not in _FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
-    n, h_q, d_v = outs.shape[0], outs.shape[-2], outs.shape[-1]
-    lead = tuple(outs.shape[1:-2])
-    sink = None
+    h_q = outs.shape[-2]
     if attn_sink is not None:
         _check_tensor("attn_sink", attn_sink, f"of shape [h_q]=[{h_q}]")
         if attn_sink.dim() != 1 or attn_sink.shape[0] != h_q:
@@ -553,6 +568,18 @@ def merge_attn_partials(
             raise TypeError(f"attn_sink must be a floating tensor, got {attn_sink.dtype}")
         if attn_sink.device != device:
             raise ValueError(f"attn_sink is on {attn_sink.device} but outs is on {device}")
+    return out_dtype
+
+
+def merge_attn_partials_eager(outs, lses, attn_sink=None, out_dtype=None):
+    """:func:`merge_attn_partials`'s body (the ``mla_kernels::merge_attn_partials`` op's
+    implementation)."""
+    out_dtype = _check_merge(outs, lses, attn_sink, out_dtype)
+    device = outs.device
+    n, h_q, d_v = outs.shape[0], outs.shape[-2], outs.shape[-1]
+    lead = tuple(outs.shape[1:-2])
+    sink = None
+    if attn_sink is not None:
         sink = _contig(attn_sink.detach().to(compute_dtype(outs.dtype)))
     rows = math.prod(lead)
     cdt = compute_dtype(outs.dtype)
@@ -675,7 +702,7 @@ def _decode_inputs(plan: Optional[DecodePlan], q, kv_cache, indices, sm_scale, d
     n_rows = kv_cache.numel() // d_qk if d_qk else 0
     if n_rows >= 2**31:
         raise ValueError(f"kv_cache has {n_rows} rows; the kernels address at most 2^31 - 1")
-    if kv_cache.numel() and kv_cache.data_ptr() % 16:
+    if kv_cache.numel() and not _no_data(kv_cache) and kv_cache.data_ptr() % 16:
         raise ValueError("kv_cache must be 16-byte aligned")
     page_size = kv_cache.shape[1] if kd == 4 else kv_cache.shape[0]
 
@@ -853,6 +880,20 @@ def sparse_mla_decode(
     if plan is not None and _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink,
                                              block_table, q_bias):
         return plan.backend.decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias)
+    if tracing():  # a plan's buffers cannot be a traced op's outputs: the compiled graph allocates them
+        _decode_inputs(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias)
+        det = (lambda t: t.detach() if t is not None else None)
+        return tuple(torch.ops.mla_kernels.sparse_mla_decode(
+            q.detach(), kv_cache.detach(), indices, _check_scale(sm_scale), d_v, topk_length, det(attn_sink),
+            block_table, det(q_bias)))
+    return sparse_mla_decode_eager(q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink,
+                                   block_table=block_table, q_bias=q_bias, plan=plan)
+
+
+def sparse_mla_decode_eager(q, kv_cache, indices, sm_scale, d_v=512, topk_length=None, attn_sink=None, *,
+                            block_table=None, q_bias=None, plan=None):
+    """:func:`sparse_mla_decode`'s body (the ``mla_kernels::sparse_mla_decode`` op's
+    implementation, called there without a plan)."""
     args = _decode_inputs(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias)
     if plan is None:
         q, indices = args[0], args[2]

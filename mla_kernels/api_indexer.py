@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from .api import _check_device, _check_scale, _check_tensor, _contig
+from .api import _check_device, _check_scale, _check_tensor, _contig, tracing
 from .common.problem import IndexerLossProblem, IndexerProblem
 from .reference import compute_dtype
 
@@ -153,6 +153,22 @@ def indexer_logits(
 
     This holds ``[s_q, s_kv]`` whole (4 GiB at S = 32k); :func:`indexer_topk` never does.
     """
+    if tracing():
+        make_indexer_problem(q_idx, k_idx, weights, sm_scale=sm_scale, k_start=k_start, k_end=k_end,
+                             q_scale=q_scale, k_scale=k_scale)
+        return torch.ops.mla_kernels.indexer_logits(q_idx.detach(), k_idx.detach(), weights.detach(),
+                                                    _check_scale(sm_scale), k_start, k_end, _det(q_scale),
+                                                    _det(k_scale))
+    return indexer_logits_eager(q_idx, k_idx, weights, sm_scale, k_start, k_end, q_scale, k_scale)
+
+
+def _det(t):
+    return t.detach() if t is not None else None
+
+
+def indexer_logits_eager(q_idx, k_idx, weights, sm_scale=1.0, k_start=None, k_end=None, q_scale=None,
+                         k_scale=None):
+    """:func:`indexer_logits`'s body (the ``mla_kernels::indexer_logits`` op's implementation)."""
     p = make_indexer_problem(q_idx, k_idx, weights, sm_scale=sm_scale, k_start=k_start, k_end=k_end,
                              q_scale=q_scale, k_scale=k_scale)
     if p.s_q == 0 or p.s_kv == 0:
@@ -189,6 +205,19 @@ def indexer_topk(
     (``mla_kernels.sm90.indexer_host.WORKSPACE_BYTES``, 512 MiB by default) and each row's exact
     top-k is selected there; the reference works by chunks of rows likewise.
     """
+    if tracing():
+        topk, return_logits = _check_topk_args(topk, return_logits)
+        make_indexer_problem(q_idx, k_idx, weights, sm_scale=sm_scale, k_start=k_start, k_end=k_end,
+                             q_scale=q_scale, k_scale=k_scale)
+        res = torch.ops.mla_kernels.indexer_topk(q_idx.detach(), k_idx.detach(), weights.detach(), topk,
+                                                 _check_scale(sm_scale), k_start, k_end, _det(q_scale),
+                                                 _det(k_scale), return_logits)
+        return tuple(res) if return_logits else tuple(res[:2])
+    return indexer_topk_eager(q_idx, k_idx, weights, topk, sm_scale, k_start, k_end, q_scale, k_scale,
+                              return_logits)
+
+
+def _check_topk_args(topk, return_logits):
     if isinstance(topk, bool) or not isinstance(topk, numbers.Integral):
         raise TypeError(f"topk must be an int, got {type(topk).__name__}")
     topk = int(topk)
@@ -196,6 +225,13 @@ def indexer_topk(
         raise ValueError(f"topk must be >= 1, got {topk}")
     if not isinstance(return_logits, bool):
         raise TypeError(f"return_logits must be a bool, got {type(return_logits).__name__}")
+    return topk, return_logits
+
+
+def indexer_topk_eager(q_idx, k_idx, weights, topk, sm_scale=1.0, k_start=None, k_end=None, q_scale=None,
+                       k_scale=None, return_logits=False):
+    """:func:`indexer_topk`'s body (the ``mla_kernels::indexer_topk`` op's implementation)."""
+    topk, return_logits = _check_topk_args(topk, return_logits)
     p = make_indexer_problem(q_idx, k_idx, weights, sm_scale=sm_scale, k_start=k_start, k_end=k_end,
                              q_scale=q_scale, k_scale=k_scale)
     if p.s_q == 0 or p.s_kv == 0:

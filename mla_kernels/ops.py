@@ -31,9 +31,25 @@ op                          schema (positional arguments as the public function'
                             an op cannot return None: ``d_attn_sink`` is ``[0]`` without a sink,
                             ``attn_sum`` ``[0]`` without ``return_attn_sum`` (the public
                             function maps both back to its documented results)
+``sparse_mla_decode``       ``(q, kv_cache, indices, sm_scale, d_v=512, topk_length=None,
+                            attn_sink=None, block_table=None, q_bias=None) -> (out, lse)``;
+                            no ``plan`` (a plan's buffers cannot be a traced op's outputs: the
+                            public function ignores the plan while tracing, the compiled graph
+                            allocates); ``block_table``/``q_bias`` positional
+``merge_attn_partials``     ``(outs, lses, attn_sink=None, out_dtype=None) -> (out, lse)``
+``indexer_logits``          ``(q_idx, k_idx, weights, sm_scale=1.0, k_start=None, k_end=None,
+                            q_scale=None, k_scale=None) -> logits`` (the public keyword-only
+                            arguments, positional)
+``indexer_topk``            ``(q_idx, k_idx, weights, topk, sm_scale=1.0, k_start=None,
+                            k_end=None, q_scale=None, k_scale=None, return_logits=False)
+                            -> (indices, topk_length, logits)``; ``logits`` is ``[0]`` without
+                            ``return_logits``
 ==========================  =====================================================================
 
-Adding an op (decode, merge_attn_partials, indexer_topk, indexer_loss ...) takes three steps:
+Not an op yet: ``indexer_loss`` (an ``autograd.Function`` in ``autograd_indexer.py``; under
+``torch.compile`` dynamo traces into it and breaks the graph at its kernels' data-dependent parts).
+
+Adding an op (``indexer_loss`` next) takes three steps:
 
 1. ``api.py``: the eager body ``foo_eager(...)`` (validation + dispatch, as today), and the public
    ``foo(...)`` that, under :func:`mla_kernels.api.tracing`, checks its inputs' metadata and
@@ -66,7 +82,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import api
+from . import api, api_indexer
 from .reference import compute_dtype
 
 __all__ = ["NAMESPACE", "custom_op", "OPS"]
@@ -219,9 +235,118 @@ def _no_setup(ctx, inputs, keyword_only_inputs=None, output=None):
 _sparse_mla_bwd.register_autograd(_no_double_backward, setup_context=_no_setup)
 
 
+# --------------------------------------------------------------------------------------------
+# sparse_mla_decode, merge_attn_partials (not differentiable)
+# --------------------------------------------------------------------------------------------
+
+
+@custom_op("sparse_mla_decode")
+def _sparse_mla_decode(
+    q: Tensor,
+    kv_cache: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: Optional[Tensor] = None,
+    attn_sink: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    q_bias: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    out, lse = api.sparse_mla_decode_eager(q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink,
+                                           block_table=block_table, q_bias=q_bias)
+    return out, lse
+
+
+@_sparse_mla_decode.register_fake
+def _(q, kv_cache, indices, sm_scale, d_v=512, topk_length=None, attn_sink=None, block_table=None, q_bias=None):
+    api._decode_inputs(None, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias)
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty((b, s_q, h_q, d_v)), q.new_empty((b, s_q, h_q), dtype=compute_dtype(q.dtype))
+
+
+@custom_op("merge_attn_partials")
+def _merge_attn_partials(
+    outs: Tensor,
+    lses: Tensor,
+    attn_sink: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[Tensor, Tensor]:
+    out, lse = api.merge_attn_partials_eager(outs, lses, attn_sink, out_dtype)
+    return out, lse
+
+
+@_merge_attn_partials.register_fake
+def _(outs, lses, attn_sink=None, out_dtype=None):
+    out_dtype = api._check_merge(outs, lses, attn_sink, out_dtype)
+    shape = tuple(outs.shape[1:])
+    return outs.new_empty(shape, dtype=out_dtype), outs.new_empty(shape[:-1], dtype=compute_dtype(outs.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# indexer_logits, indexer_topk (not differentiable)
+# --------------------------------------------------------------------------------------------
+
+
+@custom_op("indexer_logits")
+def _indexer_logits(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    sm_scale: float = 1.0,
+    k_start: Optional[Tensor] = None,
+    k_end: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+) -> Tensor:
+    return api_indexer.indexer_logits_eager(q_idx, k_idx, weights, sm_scale, k_start, k_end, q_scale, k_scale)
+
+
+@_indexer_logits.register_fake
+def _(q_idx, k_idx, weights, sm_scale=1.0, k_start=None, k_end=None, q_scale=None, k_scale=None):
+    p = api_indexer.make_indexer_problem(q_idx, k_idx, weights, sm_scale=sm_scale, k_start=k_start, k_end=k_end,
+                                         q_scale=q_scale, k_scale=k_scale)
+    return q_idx.new_empty((p.s_q, p.s_kv), dtype=api_indexer._cdt(p.dtype))
+
+
+@custom_op("indexer_topk")
+def _indexer_topk(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    topk: int,
+    sm_scale: float = 1.0,
+    k_start: Optional[Tensor] = None,
+    k_end: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+    return_logits: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    res = api_indexer.indexer_topk_eager(q_idx, k_idx, weights, topk, sm_scale, k_start, k_end, q_scale,
+                                         k_scale, return_logits)
+    idx, length = res[0], res[1]
+    logits = res[2] if return_logits else None
+    return _outputs(idx, length, logits, like=q_idx, dtype=api_indexer._cdt(q_idx.dtype))
+
+
+@_indexer_topk.register_fake
+def _(q_idx, k_idx, weights, topk, sm_scale=1.0, k_start=None, k_end=None, q_scale=None, k_scale=None,
+      return_logits=False):
+    p = api_indexer.make_indexer_problem(q_idx, k_idx, weights, sm_scale=sm_scale, k_start=k_start, k_end=k_end,
+                                         q_scale=q_scale, k_scale=k_scale)
+    return (
+        q_idx.new_empty((p.s_q, topk), dtype=torch.int32),
+        q_idx.new_empty((p.s_q,), dtype=torch.int32),
+        q_idx.new_empty((p.s_q, topk) if return_logits else (0,), dtype=api_indexer._cdt(p.dtype)),
+    )
+
+
 #: The ops defined here, by name (``torch.ops.mla_kernels.<name>``).
 OPS = {
     "sparse_mla_fwd": _sparse_mla_fwd,
     "attn_dist": _attn_dist,
     "sparse_mla_bwd": _sparse_mla_bwd,
+    "sparse_mla_decode": _sparse_mla_decode,
+    "merge_attn_partials": _merge_attn_partials,
+    "indexer_logits": _indexer_logits,
+    "indexer_topk": _indexer_topk,
 }

@@ -169,8 +169,12 @@ def test_real_kernel_round_trip_through_export_and_load(monkeypatch, tmp_path):
         import tvm_ffi
 
         assert isinstance(second, tvm_ffi.Function) and isinstance(kinfo, _compile.KernelInfo) and load_s < 5
-        # a corrupted library is rebuilt (compiled again), never loaded
-        libs[0].write_bytes(libs[0].read_bytes()[:-64] + b"\0" * 64)
+        # a corrupted library is rebuilt (compiled again), never loaded.  The damaged copy is a new
+        # file renamed over it: writing into the library this process has mapped would corrupt
+        # the loaded code itself (and crash the interpreter at exit)
+        bad = libs[0].with_suffix(".bad")
+        bad.write_bytes(libs[0].read_bytes()[:-64] + b"\0" * 64)
+        os.replace(bad, libs[0])
         _compile.clear_cache()
         with pytest.warns(RuntimeWarning, match="does not match its recorded SHA-256"):
             _compile.cached_compile(key, lambda: compile_probe("sm_90a"))

@@ -4,6 +4,7 @@ double backward, and the tracing-time validation errors."""
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -44,7 +45,118 @@ def _opcheck_cases():
     }
 
 
+def _decode_case(dtype=torch.float64):
+    g = torch.Generator().manual_seed(5)
+    b, s_q, h, d, dv, pages, page, topk = 3, 2, 8, 32, 16, 6, 4, 9
+    q = torch.randn(b, s_q, h, d, generator=g, dtype=dtype)
+    cache = torch.randn(pages, page, 1, d, generator=g, dtype=dtype)
+    idx = torch.randint(-2, pages * page + 3, (b, s_q, topk), generator=g).to(torch.int32)
+    tl = torch.tensor([9, 0, 5], dtype=torch.int32)
+    sink = torch.randn(h, generator=g, dtype=dtype)
+    bt = torch.tensor([[5, 4, 3], [0, 1, 2], [2, -1, 1]], dtype=torch.int32)
+    bias = torch.randn(b, h, d, generator=g, dtype=dtype)
+    return q, cache, idx, 0.3, dv, tl, sink, bt, bias
+
+
+def _indexer_case(dtype=torch.float64):
+    g = torch.Generator().manual_seed(6)
+    s_q, s_kv, h, d = 5, 23, 4, 16
+    q = torch.randn(s_q, h, d, generator=g, dtype=dtype)
+    k = torch.randn(s_kv, d, generator=g, dtype=dtype)
+    w = torch.randn(s_q, h, generator=g, dtype=dtype)
+    ks = torch.tensor([0, 0, 3, 5, 23])
+    ke = torch.tensor([4, 23, 11, 5, 23])
+    return q, k, w, ks, ke
+
+
+def _more_opcheck_cases():
+    q, cache, idx, scale, dv, tl, sink, bt, bias = _decode_case()
+    outs = torch.randn(3, 2, 5, 4, 16, dtype=torch.float64)
+    lses = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    lses[1, 0, 0] = float("inf")  # an empty part
+    iq, ik, iw, ks, ke = _indexer_case()
+    return {
+        "sparse_mla_decode": (q, cache, idx, scale, dv, tl, sink, bt, bias),
+        "sparse_mla_decode-flat": (q, cache.view(-1, cache.shape[-1]), idx.long(), scale, dv, None, None, None, None),
+        "merge_attn_partials": (outs, lses, torch.randn(4, dtype=torch.float64), torch.float32),
+        "merge_attn_partials-plain": (outs.float(), lses.float(), None, None),
+        "indexer_logits": (iq, ik, iw, 0.5, ks, ke, None, None),
+        "indexer_topk": (iq, ik, iw, 6, 0.5, ks, ke, None, None, True),
+        "indexer_topk-nologits": (iq, ik, iw, 30, 1.0, None, None, None, None, False),
+    }
+
+
 OPCHECK_KWARGS = {"sparse_mla_bwd-asum": {"deterministic": True, "return_attn_sum": True}}
+
+
+@pytest.mark.parametrize("name", list(_more_opcheck_cases()))
+def test_opcheck_decode_merge_indexer(name):
+    args = _more_opcheck_cases()[name]
+    op = getattr(torch.ops.mla_kernels, name.split("-")[0]).default
+    torch.library.opcheck(op, args)
+
+
+def test_decode_merge_indexer_ops_match_the_public_functions():
+    q, cache, idx, scale, dv, tl, sink, bt, bias = _decode_case()
+    want = mk.sparse_mla_decode(q, cache, idx, scale, dv, tl, sink, block_table=bt, q_bias=bias)
+    got = torch.ops.mla_kernels.sparse_mla_decode(q, cache, idx, scale, dv, tl, sink, bt, bias)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    outs, lses = torch.randn(2, 3, 4, 16, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+    for a, b in zip(torch.ops.mla_kernels.merge_attn_partials(outs, lses, None, torch.float32),
+                    mk.merge_attn_partials(outs, lses, out_dtype=torch.float32)):
+        torch.testing.assert_close(a, b)
+    iq, ik, iw, ks, ke = _indexer_case()
+    torch.testing.assert_close(torch.ops.mla_kernels.indexer_logits(iq, ik, iw, 0.5, ks, ke),
+                               mk.indexer_logits(iq, ik, iw, sm_scale=0.5, k_start=ks, k_end=ke))
+    i1, l1, g1 = torch.ops.mla_kernels.indexer_topk(iq, ik, iw, 6, 0.5, ks, ke, None, None, False)
+    i2, l2 = mk.indexer_topk(iq, ik, iw, 6, sm_scale=0.5, k_start=ks, k_end=ke)
+    assert torch.equal(i1, i2) and torch.equal(l1, l2) and g1.shape == (0,)
+
+
+def test_compile_fullgraph_decode_merge_indexer_on_cpu():
+    q, cache, idx, scale, dv, tl, sink, bt, bias = _decode_case(torch.float32)
+    iq, ik, iw, ks, ke = _indexer_case(torch.float32)
+
+    def f(q, cache, iq, ik, iw):
+        out, lse = mk.sparse_mla_decode(q, cache, idx, scale, dv, tl, sink, block_table=bt, q_bias=bias)
+        m_out, m_lse = mk.merge_attn_partials(torch.stack([out, out]), torch.stack([lse, lse]))
+        sel, n, logits = mk.indexer_topk(iq, ik, iw, 6, sm_scale=0.5, k_start=ks, k_end=ke, return_logits=True)
+        dense = mk.indexer_logits(iq, ik, iw, sm_scale=0.5, k_start=ks, k_end=ke)
+        return out, lse, m_out, m_lse, sel, n, logits, dense
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, cache, iq, ik, iw)
+    want = f(q, cache, iq, ik, iw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # the merge of two equal parts: the same out, lse + log 2
+    torch.testing.assert_close(got[2], got[0])
+    fin = torch.isfinite(got[1])
+    torch.testing.assert_close(got[3][fin], got[1][fin] + math.log(2.0))
+    # a plan is ignored while tracing (the graph allocates its outputs)
+    plan = mk.decode_plan(3, 2, 8, 9, d_qk=32, d_v=dv, dtype=torch.float32)
+    torch._dynamo.reset()
+    got_p = torch.compile(lambda q: mk.sparse_mla_decode(q, cache, idx, scale, dv, tl, sink, block_table=bt,
+                                                         q_bias=bias, plan=plan), fullgraph=True,
+                          backend="aot_eager")(q)
+    torch.testing.assert_close(got_p[0], want[0])
+
+
+def test_decode_merge_indexer_validation_errors_at_trace_time():
+    q, cache, idx, scale, dv, tl, sink, bt, bias = _decode_case(torch.float32)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="kv_cache's last dim must equal q's d_qk"):
+        torch.compile(lambda c: mk.sparse_mla_decode(q, c, idx, scale, dv), fullgraph=True,
+                      backend="aot_eager")(cache[..., :-1].contiguous())
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="lses must have shape"):
+        torch.compile(lambda o: mk.merge_attn_partials(o, torch.zeros(2, 3)), fullgraph=True,
+                      backend="aot_eager")(torch.zeros(2, 3, 4, 8))
+    iq, ik, iw, ks, ke = _indexer_case(torch.float32)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="topk must be >= 1"):
+        torch.compile(lambda q: mk.indexer_topk(q, ik, iw, 0), fullgraph=True, backend="aot_eager")(iq)
 
 
 @pytest.mark.parametrize("name", list(_opcheck_cases()))
@@ -58,13 +170,22 @@ def test_every_public_op_has_a_custom_op_with_its_positional_arguments():
     import inspect
 
     for public, op in ((mk.sparse_mla_fwd, "sparse_mla_fwd"), (mk.attn_dist, "attn_dist"),
-                       (mk.sparse_mla_bwd, "sparse_mla_bwd")):
+                       (mk.sparse_mla_bwd, "sparse_mla_bwd"), (mk.sparse_mla_decode, "sparse_mla_decode"),
+                       (mk.merge_attn_partials, "merge_attn_partials"), (mk.indexer_logits, "indexer_logits"),
+                       (mk.indexer_topk, "indexer_topk")):
         schema = getattr(torch.ops.mla_kernels, op).default._schema
         names = [a.name for a in schema.arguments]
         pos = [n for n, p in inspect.signature(public).parameters.items()
                if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
         assert names[: len(pos)] == pos, (op, names, pos)
-    assert set(mk.ops.OPS) == {"sparse_mla_fwd", "attn_dist", "sparse_mla_bwd"}
+    assert set(mk.ops.OPS) == {"sparse_mla_fwd", "attn_dist", "sparse_mla_bwd", "sparse_mla_decode",
+                               "merge_attn_partials", "indexer_logits", "indexer_topk"}
+    # the public keyword-only arguments follow, in order, as the op's positional ones
+    for public, op in ((mk.sparse_mla_decode, "sparse_mla_decode"), (mk.indexer_topk, "indexer_topk"),
+                       (mk.merge_attn_partials, "merge_attn_partials"), (mk.indexer_logits, "indexer_logits")):
+        names = [a.name for a in getattr(torch.ops.mla_kernels, op).default._schema.arguments]
+        public_names = [n for n in inspect.signature(public).parameters if n != "plan"]
+        assert names == public_names, (op, names, public_names)
 
 
 def test_bwd_op_maps_absent_outputs_to_empty_tensors_and_public_bwd_back_to_none():
@@ -140,17 +261,29 @@ def test_eager_calls_do_not_go_through_the_dispatcher(monkeypatch):
     # The custom ops are for tracing only: an eager call must run the body directly.
     c = _case()
     seen = []
-    for name in ("sparse_mla_fwd_eager", "attn_dist_eager", "sparse_mla_bwd_eager"):
-        orig = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _o=orig, _n=name, **k: seen.append(_n) or _o(*a, **k))
+    from mla_kernels import api_indexer
+
+    for mod, name in ((api, "sparse_mla_fwd_eager"), (api, "attn_dist_eager"), (api, "sparse_mla_bwd_eager"),
+                      (api, "sparse_mla_decode_eager"), (api, "merge_attn_partials_eager"),
+                      (api_indexer, "indexer_logits_eager"), (api_indexer, "indexer_topk_eager")):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: seen.append(_n) or _o(*a, **k))
+    dq, cache, didx, scale, dv = _decode_case()[:5]
+    iq, ik, iw = _indexer_case()[:3]
     with torch.profiler.profile() as prof:
         out, _, lse = mk.sparse_mla_fwd(c.q, c.kv, c.indices, c.sm_scale, DV)
         mk.attn_dist(c.q, c.kv, c.indices, lse.clamp(max=50.0), c.sm_scale)
         q = c.q.clone().requires_grad_()
         mk.sparse_mla(q, c.kv, c.indices, c.sm_scale, DV).sum().backward()
+        d_out, d_lse = mk.sparse_mla_decode(dq, cache, didx, scale, dv)
+        mk.merge_attn_partials(d_out[None], d_lse[None])
+        mk.indexer_logits(iq, ik, iw)
+        mk.indexer_topk(iq, ik, iw, 4)
     names = {e.name for e in prof.events()}
     assert not any(n.startswith("mla_kernels::") for n in names), sorted(n for n in names if "mla" in n)
-    assert seen == ["sparse_mla_fwd_eager", "attn_dist_eager"]  # sparse_mla: SparseMLA, not the op
+    assert seen == ["sparse_mla_fwd_eager", "attn_dist_eager",  # sparse_mla: SparseMLA, not the op
+                    "sparse_mla_decode_eager", "merge_attn_partials_eager", "indexer_logits_eager",
+                    "indexer_topk_eager"]
 
 
 def test_validation_errors_are_raised_at_trace_time():
