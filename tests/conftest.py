@@ -240,11 +240,12 @@ def bwd_fwd_ref(case):
 
 
 def run_bwd_and_check(case, monkeypatch, backend: str, *, deterministic=False, attn_sum=False, dout_scale=0.1,
-                      seed=0, dq_abs=None):
+                      seed=0, dq_abs=None, zero_dout_heads=None):
     """``sparse_mla_bwd`` forced onto ``backend`` vs the float32 reference backward, on the
     reference forward's outputs; every tolerance of docs/METHOD.md, exact zeros for empty rows and
     unreferenced kv rows, no NaN.  Returns the backend's outputs.
 
+    ``zero_dout_heads``: a slice of heads whose dO is zero.
     ``dq_abs``: compare dq by max abs error instead (problems where dq is 0 up to rounding,
     e.g. one valid slot per row: dS = P (dP - delta) = 0 exactly in exact arithmetic)."""
     import mla_kernels as mk
@@ -254,6 +255,8 @@ def run_bwd_and_check(case, monkeypatch, backend: str, *, deterministic=False, a
     out, lse = bwd_fwd_ref(case)
     g = torch.Generator(device="cpu").manual_seed(seed)
     dout = (torch.randn(out.shape, generator=g) * dout_scale).to(out.device, out.dtype)
+    if zero_dout_heads is not None:
+        dout[:, zero_dout_heads] = 0  # those heads contribute nothing to dq / dkv
     got = mk.sparse_mla_bwd(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale, case.d_v,
                             case.topk_length, case.attn_sink, deterministic=deterministic,
                             return_attn_sum=attn_sum)

@@ -27,7 +27,7 @@ def sm90_report():
     from conftest import compile_records
 
     return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads", "sm90_bwd_d576_h128",
-                                      "sm90_bwd_d576_h128_det", "probe"})
+                                      "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64", "probe"})
 
 
 def test_compile_report_writes_its_records_as_json(tmp_path):
@@ -59,24 +59,32 @@ def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report):
     assert r["sass_base"].get("HGMMA", 0) == 36 and r["sass_base"].get("LDGSTS", 0) > 0
 
 
-@pytest.mark.parametrize("name", ["sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det"])
+@pytest.mark.parametrize("name", ["sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64"])
 def test_sm90_backward_compiles_with_hgmma_and_no_spills(sm90_report, name):
     r = sm90_report[name]
     assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
     if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
     sass, base = r["sass"], r["sass_base"]
-    # all four products on wgmma: S 36 + dP 32 + dQ (4 x 64x256 per WG + 4 RoPE) + dKV 68 per block
-    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
+    h128 = "_h128" in name
+    if name.startswith("sm90_bwd_d576"):
+        # all four products on wgmma: S 36 + dP 32 + dQ (4 x 64x256 per WG + 4 RoPE) + dKV 68 per block
+        assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
     assert base.get("LDGSTS", 0) > 0 and base.get("UTMALDG", 0) > 0 and base.get("UTMASTG", 0) > 0
     assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
+    n_chunks = 9 if name.startswith("sm90_bwd_d576") else 8
+    # h_q 128: the head-block pair sums each chunk through DSMEM (2 x 16-byte st.async of the
+    # peer's half in bf16 per chunk) and scatters 32 of its 64 columns:
+    # half the atomics (or deterministic row stores) per CTA.  h_q 64: whole chunks, no exchange.
+    per_chunk = 4 if h128 else 8
+    assert sass.get("STAS.128", 0) == (2 * n_chunks if h128 else 0)  # bf16 halves: 2 x 16 B
     reds = sass.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0)
     if name.endswith("_det"):
         # deterministic: no float atomics at all; the per-slot rows are bf16, 8-byte stores of 4 values
         assert base.get("REDG", 0) == 0 and base.get("RED", 0) == 0 and base.get("ATOMG", 0) == 0
-        assert sass.get("STG.E.64", 0) == 72
+        assert sass.get("STG.E.64", 0) == per_chunk * n_chunks
     else:
-        assert reds == 72  # 16-byte vector float atomics, 8 per 64-column chunk, 9 chunks
+        assert reds == per_chunk * n_chunks  # 16-byte vector float atomics per 64-column chunk
 
 
 def test_sm100_pipeline_compiles():

@@ -72,6 +72,18 @@ def test_bwd_many_heads(monkeypatch):
     run_and_check(case, monkeypatch, attn_sum=True)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("h_q,zero", [(128, (0, 64)), (128, (64, 128)), (256, (64, 192))])
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_bwd_pair_exchange_one_sided(d_qk, h_q, zero, deterministic, monkeypatch):
+    # h_q % 128 == 0: the two CTAs of a head-block pair each scatter one 32-column half of every
+    # dKV chunk, with the peer's half added through DSMEM.  With dO zero on one head block every
+    # dKV value comes from the other CTA, so each half is right only if the exchange delivered
+    # it (both directions, and pairs past the first for h_q 256).
+    case = make_case(61, h_q, d_qk, 900, 256, device="cuda", invalid_frac=0.1, dup_frac=0.1, empty_rows=1)
+    run_and_check(case, monkeypatch, deterministic=deterministic, zero_dout_heads=slice(*zero))
+
+
 def test_bwd_unit_scale_values(monkeypatch):
     case = make_case(64, 128, 576, 4000, 512, device="cuda", scale=1.0)
     run_and_check(case, monkeypatch, dout_scale=1.0)

@@ -594,3 +594,97 @@ def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32, *, loc=None, ip=None) 
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# DSMEM exchange between the two CTAs of a cluster (sm90 backward's pair-summed dKV)
+# ---------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def st_async_v4_f32(remote_addr: Int32, a: Float32, b: Float32, c: Float32, d: Float32, remote_mbar: Int32,
+                    *, loc=None, ip=None) -> None:
+    """``st.async`` of 16 bytes into a peer CTA's shared memory (``remote_addr``: a shared::cluster
+    address from :func:`mapa_shared`); the store completes ``16`` bytes of transaction count on the
+    peer's mbarrier ``remote_mbar`` (shared::cluster address)."""
+    llvm.inline_asm(
+        None,
+        [Int32(remote_addr).ir_value(loc=loc, ip=ip)]
+        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+        + [Int32(remote_mbar).ir_value(loc=loc, ip=ip)],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];",
+        "r,f,f,f,f,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def st_async_v4_b32(remote_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, remote_mbar: Int32,
+                    *, loc=None, ip=None) -> None:
+    """:func:`st_async_v4_f32` for four 32-bit words (e.g. eight packed bf16)."""
+    llvm.inline_asm(
+        None,
+        [Int32(remote_addr).ir_value(loc=loc, ip=ip)]
+        + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+        + [Int32(remote_mbar).ir_value(loc=loc, ip=ip)],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
+        "r,r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def ld_shared_v4_bf16x2_f32(smem_addr: Int32, *, loc=None, ip=None):
+    """A 16-byte shared-memory load of eight bf16 (four words, low half first), widened to eight
+    floats; kept in program order like :func:`ld_shared_v4_f32`."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 8),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 w<4>;\n\tld.shared.v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
+        "shl.b32 $0, w0, 16;\n\tand.b32 $1, w0, 0xffff0000;\n\t"
+        "shl.b32 $2, w1, 16;\n\tand.b32 $3, w1, 0xffff0000;\n\t"
+        "shl.b32 $4, w2, 16;\n\tand.b32 $5, w2, 0xffff0000;\n\t"
+        "shl.b32 $6, w3, 16;\n\tand.b32 $7, w3, 0xffff0000;\n\t}",
+        "=f,=f,=f,=f,=f,=f,=f,=f,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(8))
+
+
+@dsl_user_op
+def ld_shared_v4_f32(smem_addr: Int32, *, loc=None, ip=None):
+    """A 16-byte shared-memory load of four floats (32-bit shared address); kept in program order
+    (side effects) so that it never moves above the mbarrier wait that publishes the data."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def mbarrier_arrive_cluster(remote_mbar: Int32, *, loc=None, ip=None) -> None:
+    """Arrive on a (peer CTA's) mbarrier at a shared::cluster address, with the default semantics
+    (release, CTA scope: what CUTLASS's ``ClusterBarrier::arrive(cta_id)`` issues to free a
+    multicast/DSMEM buffer; ``.release.cluster`` compiles to ``MEMBAR.ALL.GPU``, which would wait
+    for this thread's outstanding global atomics too)."""
+    llvm.inline_asm(
+        None,
+        [Int32(remote_mbar).ir_value(loc=loc, ip=ip)],
+        "mbarrier.arrive.shared::cluster.b64 _, [$0];",
+        "r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

@@ -55,7 +55,9 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
     """Compile the sm90 backward for one static configuration (no GPU needed)."""
     from .bwd import SparseMlaBwdSm90
 
-    kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic)
+    # h_q % 128 == 0: the two head blocks of a token sum their dKV chunks on chip (2-CTA cluster)
+    kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic,
+                              pair_sum=kw.pop("pair_sum", h_q % 128 == 0))
     if deterministic:
         import torch
 

@@ -30,14 +30,22 @@ Then both consumer warpgroups:
   L2 requests, so the fragment is first rearranged in registers (a quad shuffle makes 4-column
   vectors, an 8 x 8 lane transpose puts each warp instruction on two whole rows): every atomic
   instruction then covers 4 full 128-byte lines instead of 16 partial ones (-29% time).  The
-  workspace lines carry an L2 evict_last hint, and the two head-block CTAs of a token (h_q 128)
-  run as a cluster so their atomics to the same rows meet in L2.  In
-  the deterministic variant the chunk is instead stored (no atomics) into a per-slot row of a
-  ``[tokens * head_blocks * topk, d_qk]`` workspace that the host reduces in a fixed order.
+  workspace lines carry an L2 evict_last hint.  In the deterministic variant the chunk is
+  instead stored (no atomics) into a per-slot row of a ``[tokens * row_blocks * topk, d_qk]``
+  workspace that the host reduces in a fixed order.
+* **Pair sum** (h_q a multiple of 128): the two head-block CTAs of a token run as a 2-CTA cluster
+  and add their dKV chunks on chip before anything leaves it: each CTA owns one 32-column half of
+  every chunk, sends the other half to its peer (``st.async`` into the peer's landing area, 8 KB
+  per warpgroup, completing bytes on the peer's mbarrier) and scatters its own half plus the
+  peer's -- half the float32 atomic traffic (the bound at s_kv >= 32k; see :class:`_Exchange`).
+  d_qk 576 has no free smem for the 16 KB landing area, so it borrows the KV buffer's last two
+  k-tiles: the producer gathers them for the next block (piece C) only once the exchange drained,
+  and S / dP wait for piece C last.
 
 All four products are SS wgmma.  smem: Q (64 x d_qk), dO (64 x 512), one KV buffer, P and dS
 (64 x 64 each): 229,376 bytes for d_qk = 576, which is why the KV buffer is single: its pieces are
 released as soon as both dQ products are done, so the next block's gather overlaps the dKV phase.
+d_qk 512 + pair sum adds a separate 16 KB landing area (230,400 bytes).
 """
 
 from __future__ import annotations
@@ -71,6 +79,17 @@ BAR_EPI_STORED = 8  # both: dQ stored into sQ's tile (one id per sync site: docs
 BAR_ASUM_READ = 9  # WG0 only: attention-sum partials read (the next block may overwrite them)
 BAR_DELTA = 6  # WG1 only: delta rows in smem
 
+# mbarriers (``SharedStorage.mbar``)
+MB_IN, MB_KV_A, MB_KV_B, MB_KV_FREE, MB_META = 0, 1, 2, 3, 4
+MB_KV_C = 5  # pair-summed d576: ready of the last two k-tiles (the exchange's landing area)
+MB_DRAINED = 6  # pair-summed d576: both WGs consumed the block's last exchange (landing free)
+N_SLOTS = 2  # landing slots per warpgroup (a ring: chunk k uses slot k % 2)
+MB_LAND_FULL = 7  # + N_SLOTS * wg + slot: the peer's half-chunk landed (st.async complete_tx)
+MB_SEND_OK = MB_LAND_FULL + 2 * N_SLOTS  # + N_SLOTS * wg + slot: the peer's slot is free (4 warp arrivals)
+N_MBAR = MB_SEND_OK + 2 * N_SLOTS
+SLOT_BYTES = 128 * 16 * 2  # one WG's half chunk: 64 tokens x 32 columns of bf16
+LAND_BYTES = N_SLOTS * SLOT_BYTES  # one WG's landing area
+
 
 class SparseMlaBwdSm90:
     """Static configuration + host launcher + device kernel of the sm90 sparse backward."""
@@ -92,6 +111,7 @@ class SparseMlaBwdSm90:
         attn_sum: bool = False,
         attn_sum_scaled: bool = False,
         deterministic: bool = False,
+        pair_sum: bool = False,
     ):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 backward supports d_qk 512 or 576, got {d_qk}")
@@ -104,9 +124,26 @@ class SparseMlaBwdSm90:
         self.attn_sum = attn_sum
         self.attn_sum_scaled = attn_sum_scaled  # attn_sum needs P * exp(lse' - lse) (a sink)
         self.deterministic = deterministic
+        # h_q a multiple of 128: the two 64-head CTAs of a token (a 2-CTA cluster) add their dKV
+        # chunks through DSMEM before one of them scatters each half: half the atomic traffic.
+        self.pair_sum = pair_sum
+        # Which warpgroups' chunks go through the exchange (the others scatter whole chunks from
+        # both CTAs).  Deterministic rows need every chunk summed (one row per pair and slot).
+        self.ex_wgs = (pair_sum, pair_sum)
+        if deterministic:
+            self.ex_wgs = (pair_sum, pair_sum)
+        self.ws_row_heads = 2 * B_H if pair_sum else B_H  # deterministic rows per (token, slot)
         self.n_k_tiles = d_qk // 64
+        # d_qk 576 has no free smem for the landing areas (8 KB per exchanging WG): they borrow the
+        # KV buffer's last k-tiles (WG0: the RoPE tile, read by WG0 only; WG1: the one before),
+        # gathered for the next block only after the exchange drained (piece C); d_qk 512 has a
+        # buffer of its own.  (WG1 alone cannot use the RoPE tile: WG0's RoPE dQ reads it.)
+        self.land_in_kv = pair_sum and d_qk > d_v
+        assert not (self.land_in_kv and self.ex_wgs[1] and not self.ex_wgs[0]), "WG1-only exchange"
+        self.n_land = int(self.ex_wgs[0]) + int(self.ex_wgs[1]) if self.land_in_kv else 0
         self.n_v_tiles = d_v // 64
         self.n_left = 4  # first gather piece: k-tiles 0..3
+        self.n_mid = self.n_k_tiles - self.n_land  # second piece: n_left..n_mid; piece C: the rest
         self.has_rope = d_qk > d_v
         # dKV column chunks (64 wide) per warpgroup, balancing S (WG0) against dP (WG1) and the
         # RoPE dQ columns (WG0): chunks < n_v_tiles cost two products, the RoPE chunk one.
@@ -121,8 +158,14 @@ class SparseMlaBwdSm90:
         # (+2% at 32k, +9% at 64k).  Both measured on the H200.
         self.ws_evict_last = True
         self.pair_cluster = True
-        self.regs_consumer = 224
-        self.regs_producer = 56
+        # The pair sum keeps a chunk half (16 floats) live across the next chunk's products.
+        self.regs_consumer = 232 if pair_sum else 224
+        self.regs_producer = 40 if pair_sum else 56
+        # Whether a WG overlaps chunk c's exchange + scatter with chunk c+1's products (16 more
+        # live registers).  Measured (H200, interleaved): WG1 only is 17% faster than neither;
+        # WG0 too was another 1-3% faster but spills (WG0 also holds the RoPE dQ accumulator),
+        # so WG0 exchanges chunk by chunk.
+        self.pipelined = (False, True)
         assert 2 * self.regs_consumer + self.regs_producer <= 504
         self.smem_bytes = 0  # set when traced
 
@@ -165,6 +208,7 @@ class SparseMlaBwdSm90:
         tma_atom_dq, tma_dq = tma.tile_store_atom(mDQ_hds, sQ_layout, (B_H, d_qk))
 
         psum_elems = 4 * B_TOPK if const_expr(self.attn_sum) else 4
+        land_elems = 2 * LAND_BYTES // 4 if const_expr(self.pair_sum and not self.land_in_kv) else 4
 
         @cute.struct
         class SharedStorage:
@@ -173,8 +217,8 @@ class SparseMlaBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, B_H * B_TOPK], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[BFloat16, B_H * B_TOPK], 1024]
-            # q/dO loaded, K piece 0 ready, K piece 1 ready, K free, block metadata published
-            mbar: cute.struct.MemRange[cutlass.Int64, 5]
+            sLand: cute.struct.Align[cute.struct.MemRange[Float32, land_elems], 128]
+            mbar: cute.struct.MemRange[cutlass.Int64, N_MBAR]  # MB_* above
             sRowIdx: cute.struct.MemRange[Int32, 2 * B_TOPK]  # by block parity
             sValid: cute.struct.MemRange[Uint32, 2]
             sPsum: cute.struct.MemRange[Float32, psum_elems]
@@ -185,6 +229,7 @@ class SparseMlaBwdSm90:
 
         s_q = mQ.shape[0]
         n_hblk = mQ.shape[1] // B_H
+        assert not self.pair_sum or n_hblk % 2 == 0, "pair_sum needs h_q % 128 == 0"
         self.kernel(
             mKV, mDO, mO, mIdx, mTopkLen, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_dq, tma_dq,
@@ -241,10 +286,11 @@ class SparseMlaBwdSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar = storage.mbar.data_ptr()
-        bar_in = mbar
-        kv_a = dev.HalfBufferBarriers(mbar + 1, mbar + 3)  # piece 0 (k-tiles 0..3)
-        kv_b = dev.HalfBufferBarriers(mbar + 2, mbar + 3)  # piece 1; one shared free barrier
-        bar_meta = mbar + 4
+        bar_in = mbar + MB_IN
+        kv_a = dev.HalfBufferBarriers(mbar + MB_KV_A, mbar + MB_KV_FREE)  # piece A (k-tiles 0..3)
+        kv_b = dev.HalfBufferBarriers(mbar + MB_KV_B, mbar + MB_KV_FREE)  # piece B; one free barrier
+        kv_c = dev.HalfBufferBarriers(mbar + MB_KV_C, mbar + MB_DRAINED)  # piece C (landing, d576 pair)
+        bar_meta = mbar + MB_META
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_q)
@@ -256,8 +302,24 @@ class SparseMlaBwdSm90:
                 cute.arch.mbarrier_init(mbar + 2, 128)
                 cute.arch.mbarrier_init(mbar + 3, 256)  # every consumer thread
                 cute.arch.mbarrier_init(bar_meta, 128)
+                if const_expr(self.pair_sum):
+                    cute.arch.mbarrier_init(mbar + MB_KV_C, 128)
+                    cute.arch.mbarrier_init(mbar + MB_DRAINED, 128 * max(1, self.n_land))
+                    for i in cutlass.range_constexpr(2 * N_SLOTS):
+                        cute.arch.mbarrier_init(mbar + MB_LAND_FULL + i, 1)
+                        cute.arch.mbarrier_init(mbar + MB_SEND_OK + i, 4)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if const_expr(self.pair_sum):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    # phase 0's expected bytes (later phases: the receiver, after each read); after
+                    # the CTA barrier: the init is visible to every thread (racecheck)
+                    for i in cutlass.range_constexpr(2 * N_SLOTS):
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + MB_LAND_FULL + i, SLOT_BYTES)
+            # the peer's barriers are initialised before anyone arrives on them remotely
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sDO = storage.sDO.get_tensor(sDO_layout.outer, swizzle=sDO_layout.inner)
@@ -288,14 +350,15 @@ class SparseMlaBwdSm90:
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
-            self.producer(mKV, mIdx, sK_ptr, sRowIdx, sValid, kv_a, kv_b, bar_meta,
+            self.producer(mKV, mIdx, sK_ptr, sRowIdx, sValid, kv_a, kv_b, kv_c, bar_meta,
                           s_idx, topk_len, num_blocks, idx_in_wg, warp_idx % 4)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
                 mDO, mO, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
-                tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in, kv_a, kv_b, bar_meta,
-                s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, wg, idx_in_wg, warp_idx,
+                tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in, kv_a, kv_b, kv_c,
+                bar_meta, s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, wg, idx_in_wg, warp_idx,
+                _Exchange(self, storage, mbar, wg, idx_in_wg, h_blk),
             )
 
     # ------------------------------------------------------------------------------------------
@@ -309,6 +372,7 @@ class SparseMlaBwdSm90:
         sValid: cute.Tensor,
         kv_a: cutlass.Constexpr,
         kv_b: cutlass.Constexpr,
+        kv_c: cutlass.Constexpr,
         bar_meta,
         s_idx: Int32,
         topk_len: Int32,
@@ -332,7 +396,7 @@ class SparseMlaBwdSm90:
             kv_a.wait_free(parity)
             gather.copy_tiles(sK_addr, 0, 0, self.n_left)
             kv_a.commit_cp_async()
-            gather.copy_tiles(sK_addr, 0, self.n_left, self.n_k_tiles)
+            gather.copy_tiles(sK_addr, 0, self.n_left, self.n_mid)
             kv_b.commit_cp_async()
             if ptid < B_TOPK:
                 sRowIdx[parity * B_TOPK + ptid] = Int32(cutlass.select_(row_ok, row_idx, Int32(-1)))
@@ -340,6 +404,12 @@ class SparseMlaBwdSm90:
                 if ptid % 32 == 0:
                     sValid[warp_in_wg] = bits
             cute.arch.mbarrier_arrive(bar_meta)
+            if const_expr(self.n_land > 0):
+                # piece C doubles as the dKV exchange's landing area: wait until block b-1's
+                # exchange drained in both WGs
+                kv_c.wait_free(parity)
+                gather.copy_tiles(sK_addr, 0, self.n_mid, self.n_k_tiles)
+                kv_c.commit_cp_async()
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -369,6 +439,7 @@ class SparseMlaBwdSm90:
         bar_in,
         kv_a: cutlass.Constexpr,
         kv_b: cutlass.Constexpr,
+        kv_c: cutlass.Constexpr,
         bar_meta,
         s_idx: Int32,
         h_blk: Int32,
@@ -379,6 +450,7 @@ class SparseMlaBwdSm90:
         wg: Int32,
         idx_in_wg: Int32,
         warp_idx: Int32,
+        ex,
     ):
         """WG0 / WG1: recompute P (WG0) and dS (WG1), then dQ and dKV for their columns."""
         lane_quad = idx_in_wg % 4
@@ -441,8 +513,12 @@ class SparseMlaBwdSm90:
                 kv_a.wait_ready(parity)
                 self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 0, 4 * self.n_left, True, False)
                 kv_b.wait_ready(parity)
-                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 4 * self.n_left, 4 * self.n_k_tiles,
-                            False, True)
+                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 4 * self.n_left, 4 * self.n_mid,
+                            False, self.n_land == 0)
+                if const_expr(self.n_land > 0):
+                    kv_c.wait_ready(parity)
+                    self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 4 * self.n_mid, 4 * self.n_k_tiles,
+                                False, True)
                 cute.arch.mbarrier_wait(bar_meta, parity)
                 lo = sValid[0] >> Uint32(2 * lane_quad)
                 hi = sValid[1] >> Uint32(2 * lane_quad)
@@ -478,7 +554,9 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b)
+                ex.dq_done(self.ex_wgs[0])
+                self._dkv_chunks(self.dkv_chunks[0], self.ex_wgs[0] and self.pipelined[0], self.ex_wgs[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
+                                 scatter, ex, b)
             if const_expr(self.attn_sum):
                 self._attn_sum_tail(mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg)
         else:
@@ -498,8 +576,12 @@ class SparseMlaBwdSm90:
                 kv_a.wait_ready(parity)
                 self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 0, 4 * self.n_left, True, False)
                 kv_b.wait_ready(parity)
-                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 4 * self.n_left, 4 * self.n_v_tiles,
-                            False, True)
+                self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 4 * self.n_left,
+                            4 * min(self.n_mid, self.n_v_tiles), False, self.n_mid >= self.n_v_tiles)
+                if const_expr(self.n_mid < self.n_v_tiles):
+                    kv_c.wait_ready(parity)
+                    self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 4 * self.n_mid, 4 * self.n_v_tiles,
+                                False, True)
                 # (consume this block's metadata phase before releasing the buffer: the producer
                 # must not complete the next phase before both WGs waited on this one)
                 cute.arch.mbarrier_wait(bar_meta, parity)
@@ -528,7 +610,9 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                self._dkv_chunks(self.dkv_chunks[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b)
+                ex.dq_done(self.ex_wgs[1])
+                self._dkv_chunks(self.dkv_chunks[1], self.ex_wgs[1] and self.pipelined[1], self.ex_wgs[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
+                                 scatter, ex, b)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
 
@@ -581,22 +665,54 @@ class SparseMlaBwdSm90:
             cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _dkv_chunks(self, chunks: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt, scatter, b: Int32):
-        """dKV[:, chunk] = dS^T Q[:, chunk] (+ P^T dO[:, chunk]) per 64-column chunk; scatter.
+    def _dkv_issue(self, ch: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt):
+        """Issue (and commit) dKV[:, chunk] = dS^T Q[:, chunk] (+ P^T dO[:, chunk])."""
+        tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
+        cute.nvgpu.warpgroup.fence()
+        self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrDS, tB_q, 0, 4, True)
+        if const_expr(ch < self.n_v_tiles):
+            tB_do = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sDOt, (64, B_H), (ch, 0))))
+            self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrP, tB_do, 0, 4, False)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _dkv_chunks(self, chunks: cutlass.Constexpr, pipelined: cutlass.Constexpr, exchange: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP,
+                    sQt, sDOt, scatter, ex, b: Int32):
+        """dKV[:, chunk] per 64-column chunk, then its scatter.
+
+        Without the pair sum each chunk is scattered whole.  With it (h_q % 128 == 0) chunk c's
+        half that the peer CTA owns goes to the peer (st.async into its landing area) while this
+        CTA's half waits in registers; the peer's half of chunk c is received, added and scattered
+        while chunk c+1's products run on the tensor cores.  Each CTA thus scatters 32 of every
+        64 columns with both head blocks summed.
 
         (A second accumulator that kept chunk c+1's products in flight while chunk c is scattered
-        measured 0.994-0.996x of this -- no gain -- and was dropped.)"""
-        for c in cutlass.range_constexpr(len(chunks)):
-            ch = chunks[c]
-            tB_q = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sQt, (64, B_H), (ch, 0))))
-            cute.nvgpu.warpgroup.fence()
-            self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrDS, tB_q, 0, 4, True)
-            if const_expr(ch < self.n_v_tiles):
-                tB_do = thr_kv.make_fragment_B(thr_kv.partition_B(cute.local_tile(sDOt, (64, B_H), (ch, 0))))
-                self._gemm(MN_MAJ, MN_MAJ, 64, acc_kv, tKVrP, tB_do, 0, 4, False)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            scatter.chunk(acc_kv, ch, b)
+        measured 0.994-0.996x of the unpaired loop -- no gain -- and was dropped.)"""
+        n = len(chunks)
+        if const_expr(not exchange):
+            for c in cutlass.range_constexpr(n):
+                self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
+                cute.nvgpu.warpgroup.wait_group(0)
+                scatter.chunk(acc_kv, chunks[c], b)
+        elif const_expr(not pipelined):
+            for c in cutlass.range_constexpr(n):
+                self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ex.send(acc_kv, b * n + c)
+                kept = ex.receive(ex.kept(acc_kv), b * n + c, c, n)
+                scatter.half(kept, chunks[c], b, ex.rank)
+        else:
+            kept = []
+            for c in cutlass.range_constexpr(n):
+                self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
+                if const_expr(c > 0):
+                    kept = ex.receive(kept, b * n + (c - 1), c - 1, n)
+                    scatter.half(kept, chunks[c - 1], b, ex.rank)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ex.send(acc_kv, b * n + c)
+                kept = ex.kept(acc_kv)
+            kept = ex.receive(kept, b * n + (n - 1), n - 1, n)
+            scatter.half(kept, chunks[n - 1], b, ex.rank)
 
     @cute.jit
     def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg):
@@ -671,8 +787,12 @@ class _Scatter:
             self.policy = dev.createpolicy_evict_last()
         self.det_row0 = Int32(0)
         if kernel.deterministic:
-            # this CTA's first per-slot row; int32 suffices: the host bounds a wave's rows
-            self.det_row0 = (s_idx * n_hblk + h_blk) * topk
+            # this CTA's first per-slot row; int32 suffices: the host bounds a wave's rows.  With
+            # the pair sum one row per (token, head-block pair, slot), each CTA writing its half.
+            if kernel.pair_sum:
+                self.det_row0 = (s_idx * (n_hblk // 2) + h_blk // 2) * topk
+            else:
+                self.det_row0 = (s_idx * n_hblk + h_blk) * topk
 
     def __extract_mlir_values__(self):
         return []
@@ -681,13 +801,13 @@ class _Scatter:
         return self
 
     @cute.jit
-    def _store(self, row, b, col_off: cutlass.Constexpr, v0, v1, v2, v3) -> None:
+    def _store(self, row, b, col_bytes: Int64, v0, v1, v2, v3) -> None:
         kv_row = self.sRowIdx[(b & 1) * B_TOPK + row]
         if kv_row >= 0:
             dst = Int64(kv_row)
             if const_expr(self.deterministic):
                 dst = Int64(self.det_row0 + b * B_TOPK + row)
-            addr = self.ws_base + dst * Int64(self.row_bytes) + Int64(col_off * self.elem)
+            addr = self.ws_base + dst * Int64(self.row_bytes) + col_bytes
             if const_expr(self.deterministic):
                 dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
             elif const_expr(self.ws_evict_last):
@@ -696,22 +816,145 @@ class _Scatter:
                 dev.red_add_v4_f32(addr, v0, v1, v2, v3)
 
     @cute.jit
-    def chunk(self, acc_kv, ch: cutlass.Constexpr, b) -> None:
+    def _rows(self, vals, row, b, col_bytes) -> None:
+        """Scatter one 32-column half of rows ``row``, ``row + 8`` of the warp's 16: ``vals`` are
+        the 16 fragment values of the half in :data:`HALF_IDX` order."""
         for rh in cutlass.range_constexpr(2):
-            row = self.row_pair + 8 * rh
-            for ln in cutlass.range_constexpr(2):
-                a0 = [acc_kv[dev.acc_flat(v, rh, 4 * ln + g)] for g in (0, 1) for v in (0, 1)]
-                a1 = [acc_kv[dev.acc_flat(v, rh, 4 * ln + 2 + g)] for g in (0, 1) for v in (0, 1)]
-                d1 = []
-                d2 = []
-                for e in cutlass.range_constexpr(4):
-                    send = Float32(cutlass.select_(self.odd, a0[e], a1[e]))
-                    recv = cute.arch.shuffle_sync_bfly(send, offset=4)
-                    d1.append(Float32(cutlass.select_(self.odd, recv, a0[e])))
-                    d2.append(Float32(cutlass.select_(self.odd, a1[e], recv)))
-                col = ch * 64 + 32 * ln
-                self._store(row, b, col, d1[0], d1[1], d1[2], d1[3])
-                self._store(row + 1, b, col, d2[0], d2[1], d2[2], d2[3])
+            a0 = vals[8 * rh: 8 * rh + 4]
+            a1 = vals[8 * rh + 4: 8 * rh + 8]
+            d1 = []
+            d2 = []
+            for e in cutlass.range_constexpr(4):
+                send = Float32(cutlass.select_(self.odd, a0[e], a1[e]))
+                recv = cute.arch.shuffle_sync_bfly(send, offset=4)
+                d1.append(Float32(cutlass.select_(self.odd, recv, a0[e])))
+                d2.append(Float32(cutlass.select_(self.odd, a1[e], recv)))
+            self._store(row + 8 * rh, b, col_bytes, d1[0], d1[1], d1[2], d1[3])
+            self._store(row + 8 * rh + 1, b, col_bytes, d2[0], d2[1], d2[2], d2[3])
+
+    @cute.jit
+    def chunk(self, acc_kv, ch: cutlass.Constexpr, b) -> None:
+        """Scatter a whole 64 x 64 chunk."""
+        for ln in cutlass.range_constexpr(2):
+            vals = [acc_kv[i] for i in HALF_IDX[ln]]
+            self._rows(vals, self.row_pair, b, Int64((ch * 64 + 32 * ln) * self.elem))
+
+    @cute.jit
+    def half(self, vals, ch: cutlass.Constexpr, b, half) -> None:
+        """Scatter the 32-column half ``half`` (runtime: the CTA's rank) of chunk ``ch``."""
+        self._rows(vals, self.row_pair, b, Int64(ch * 64 * self.elem) + Int64(half * (32 * self.elem)))
+
+
+#: Fragment indices of the two 32-column halves of a 64 x 64 chunk accumulator, in the order the
+#: scatter consumes them: ``(row half rh, column group g in the half, v)``.
+HALF_IDX = tuple(
+    tuple(dev.acc_flat(v, rh, 4 * ln + g) for rh in (0, 1) for g in range(4) for v in (0, 1)) for ln in (0, 1)
+)
+
+
+class _Exchange:
+    """The DSMEM exchange of one consumer thread (h_q % 128 == 0): the two CTAs of a head-block
+    pair each own one 32-column half of every dKV chunk (rank r: columns ``32 r .. 32 r + 31``).
+
+    Per chunk ``k`` (counted over the kernel), a thread rounds the 16 values of the peer's half to
+    bf16 and ``st.async``-es them (2 x 16 bytes) into slot ``k % 2`` of the peer's landing area of
+    its warpgroup (2 slots of 4 KB, thread-major 16-byte words: conflict-free), which completes the
+    bytes on the peer's ``MB_LAND_FULL`` of that slot; it then waits on its own one, adds the
+    peer's 16 values (widened to float32) to the float32 ones it kept, and scatters them.  bf16
+    because two slots are what hides the DSMEM round trip (one float32 slot measured 1.28x slower
+    than no exchange at all) and the d_qk 576 smem plan has 16 KB for the two warpgroups: each
+    (token, slot) sum thus carries one bf16 rounding of the peer's partial (relative 2^-9 of that
+    partial, the deterministic mode's per-row rounding).
+
+    Flow control: ``MB_SEND_OK`` of a slot in the sender collects one remote arrival per warp of
+    the peer's warpgroup when the slot is free -- after the peer's dQ products for the block's
+    first use of each slot (d576: the area is the KV buffer's last k-tiles, read until then), and
+    after the peer consumed the slot's previous use within the block.  The receiver re-arms the
+    slot's ``MB_LAND_FULL`` (expect-tx) after each read; the next phase cannot complete before
+    every warp has read (the sender needs all four arrivals first).  The block's last read arrives
+    on ``MB_DRAINED`` (d576) so that the producer may gather the next block's piece C there.
+    """
+
+    def __init__(self, kernel: SparseMlaBwdSm90, storage, mbar, wg, idx_in_wg, h_blk):
+        # few live registers: the peer's addresses are mapped (mapa) where they are used
+        self.on = kernel.pair_sum
+        self.land_in_kv = kernel.land_in_kv
+        self.rank = Int32(0)
+        both = kernel.ex_wgs[0] and kernel.ex_wgs[1]
+        if kernel.pair_sum:
+            self.rank = h_blk % 2
+            self.tid = idx_in_wg
+            if kernel.land_in_kv:
+                # WG0: the RoPE k-tile (read by WG0 only); WG1: k-tile n-2 (WG1's last dQ tile)
+                tile = kernel.n_k_tiles - 1 - wg if both else kernel.n_k_tiles - 1
+                land = dev.smem_addr_u32(storage.sK.data_ptr()) + tile * (64 * 64 * 2)
+            else:
+                land = dev.smem_addr_u32(storage.sLand.data_ptr()) + wg * LAND_BYTES
+            self.land = land + idx_in_wg * 16
+            self.full = mbar + MB_LAND_FULL + N_SLOTS * wg
+            self.send_ok = mbar + MB_SEND_OK + N_SLOTS * wg
+            self.drained = mbar + MB_DRAINED
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def _peer(self, addr):
+        return dev.mapa_shared(addr, 1 - self.rank)
+
+    @cute.jit
+    def _free_peer_slot(self, slot) -> None:
+        """One arrival per warp on the peer's ``MB_SEND_OK`` of ``slot`` (after ``sync_warp``:
+        every lane's reads of the slot are done)."""
+        cute.arch.sync_warp()
+        if self.tid % 32 == 0:
+            dev.mbarrier_arrive_cluster(self._peer(dev.smem_addr_u32(self.send_ok + slot)))
+
+    @cute.jit
+    def dq_done(self, exchange: cutlass.Constexpr) -> None:
+        """This WG's dQ products are done: the peer may write into this WG's landing slots."""
+        if const_expr(exchange):
+            for slot in cutlass.range_constexpr(N_SLOTS):
+                self._free_peer_slot(slot)
+
+    def kept(self, acc_kv):
+        """The 16 values of this CTA's own half."""
+        return [Float32(cutlass.select_(self.rank == 1, acc_kv[HALF_IDX[1][j]], acc_kv[HALF_IDX[0][j]]))
+                for j in range(16)]
+
+    @cute.jit
+    def send(self, acc_kv, k) -> None:
+        """st.async the peer's half of chunk ``k`` (bf16) into the peer's landing slot ``k % 2``."""
+        slot = k % N_SLOTS
+        cute.arch.mbarrier_wait(self.send_ok + slot, (k // N_SLOTS) & 1)
+        peer_land = self._peer(self.land + slot * SLOT_BYTES)
+        peer_full = self._peer(dev.smem_addr_u32(self.full + slot))
+        v = [Float32(cutlass.select_(self.rank == 1, acc_kv[HALF_IDX[0][j]], acc_kv[HALF_IDX[1][j]]))
+             for j in range(16)]
+        for q in cutlass.range_constexpr(2):
+            w = [dev.pack_bf16x2(v[8 * q + 2 * i], v[8 * q + 2 * i + 1]) for i in range(4)]
+            dev.st_async_v4_b32(peer_land + q * 2048, w[0], w[1], w[2], w[3], peer_full)
+
+    @cute.jit
+    def receive(self, kept, k, c: cutlass.Constexpr, n: cutlass.Constexpr):
+        """Wait for the peer's half of chunk ``k`` (chunk ``c`` of ``n`` of the block), add it to
+        ``kept``; free the slot."""
+        slot = k % N_SLOTS
+        cute.arch.mbarrier_wait(self.full + slot, (k // N_SLOTS) & 1)
+        out = []
+        for q in cutlass.range_constexpr(2):
+            r = dev.ld_shared_v4_bf16x2_f32(self.land + slot * SLOT_BYTES + q * 2048)
+            for e in cutlass.range_constexpr(8):
+                out.append(kept[8 * q + e] + r[e])
+        if self.tid == 0:
+            dev.mbarrier_arrive_expect_tx(dev.smem_addr_u32(self.full + slot), Int32(SLOT_BYTES))  # re-arm
+        if const_expr(c + N_SLOTS < n):
+            self._free_peer_slot(slot)  # the slot's next use is in this block
+        if const_expr(c == n - 1 and self.land_in_kv):
+            cute.arch.mbarrier_arrive(self.drained)
+        return out
 
 
 def _ws_col_perm():
