@@ -36,6 +36,7 @@ from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..common import decode_device as dd
 from ..common import decode_parts as dp
 from ..common import device as dev
 
@@ -53,7 +54,7 @@ BAR_Q_READY = 6  # Q (+ bias) stored by the consumers
 class SparseMlaDecodeSm90:
     """Static configuration + host launcher + device kernel of the sm90 split decode (h_q % 64 == 0)."""
 
-    def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128):
+    def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128, fused: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 decode supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -61,6 +62,8 @@ class SparseMlaDecodeSm90:
         self.d_qk = d_qk
         self.d_v = d_v
         self.split = split
+        # split mode only: the last CTA of a row merges the parts (common/decode_device.py)
+        self.fused = fused and split
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
@@ -76,6 +79,33 @@ class SparseMlaDecodeSm90:
     @cute.jit
     def __call__(
         self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        """The two-launch contract (``common/decode_host.py``); the fused tail's arguments are
+        placeholders that the kernel never touches."""
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+
+    @cute.jit
+    def _launch(
+        self,
         mQ: cute.Tensor,  # [b, s_q, h_q, d_qk] bf16
         mBias: cute.Tensor,  # [b | 1, h_q, d_qk] bf16
         mKV: cute.Tensor,  # [num_pages, page_size, 1, d_qk] bf16
@@ -86,6 +116,10 @@ class SparseMlaDecodeSm90:
         mO: cute.Tensor,  # split: [n_splits, b*s_q, h_q, d_v] f32; direct: [b, s_q, h_q, d_v] bf16
         mLse: cute.Tensor,  # split: [n_splits, b*s_q, h_q]; direct: [b, s_q, h_q] f32
         mML: cute.Tensor,  # like mLse (written only with F_MAX_LOGITS)
+        mOF: cute.Tensor,  # fused: the merged [b, s_q, h_q, d_v] bf16
+        mLseF: cute.Tensor,  # fused: the merged [b, s_q, h_q] f32
+        mMLF: cute.Tensor,  # fused: the merged max_logits
+        mCnt: cute.Tensor,  # fused: [b*s_q*n_hblk] int32 arrival counters (zero between launches)
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -117,6 +151,7 @@ class SparseMlaDecodeSm90:
             sM0: cute.struct.MemRange[Float32, B_H]  # written by WG0 only
             sM1: cute.struct.MemRange[Float32, B_H]  # written by WG1 only
             sL: cute.struct.MemRange[Float32, 2 * B_H]
+            sFlag: cute.struct.MemRange[Int32, 4]  # fused: "this CTA merges the row"
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -129,8 +164,8 @@ class SparseMlaDecodeSm90:
         mIdx2 = cute.make_tensor(mIdx.iterator, cute.make_layout((n_tok, topk), stride=(topk, 1)))
         n_hblk = h_q // B_H
         self.kernel(
-            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, scale_log2, flags, page_size,
-            tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
+            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+            page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage, n_hblk,
         ).launch(
             grid=[n_tok * n_hblk * n_splits, 1, 1],
@@ -156,6 +191,10 @@ class SparseMlaDecodeSm90:
         mO: cute.Tensor,
         mLse: cute.Tensor,
         mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -249,6 +288,13 @@ class SparseMlaDecodeSm90:
                 k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, split, token, h_blk, num_iters, wg,
                 idx_in_wg,
             )
+            if const_expr(self.fused):
+                sFlag = storage.sFlag.get_tensor(cute.make_layout(4))
+                last = dd.last_arrival(mCnt, token * n_hblk + h_blk, n_splits, sFlag, tidx, 256, dd.BAR_ARRIVE,
+                                       dd.BAR_LAST)
+                if last:
+                    dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
+                                   flags & Int32(dp.F_MAX_LOGITS), token, h_blk * B_H, B_H, self.d_v, tidx, 256)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -546,3 +592,40 @@ def n_tokens_of(mLse, split: bool):
     if split:
         return mLse.shape[1]
     return mLse.shape[0] * mLse.shape[1]
+
+
+class SparseMlaDecodeSm90Fused(SparseMlaDecodeSm90):
+    """The split kernel with the combine folded in (one launch): the contract of
+    ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
+
+    def __init__(self, d_qk: int, d_v: int = 512, l2_prefetch: int = 128):
+        super().__init__(d_qk, True, d_v, l2_prefetch, fused=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)

@@ -37,6 +37,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..common import decode_device as dd
 from ..common import decode_parts as dp
 from ..common import device as dev
 
@@ -49,13 +50,16 @@ BAR_RED = 1  # + wg: per-WG column-max exchange (128 threads)
 BAR_P = 3  # + wg: per-WG P^T stored (128 threads)
 BAR_Q_READY = 5  # Q (+ bias) stored (256 threads)
 BAR_MERGE = 6  # WG1's state is in smem (WG1 arrives, WG0 waits; 256)
-BAR_FIN = 7  # WG0's final sum exchange, then the output staging (128)
+BAR_FIN = 7  # WG0 is done reading WG1's O^T before the staging overwrites it (128)
+BAR_SUMS = 10  # WG0's column sums are in sFin (128)
+BAR_STAGED = 11  # 1/l per head and the staged rows are in smem (128)
 
 
 class SparseMlaDecodeNarrowSm90:
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
-    def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128):
+    def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
+                 fused: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -66,6 +70,8 @@ class SparseMlaDecodeNarrowSm90:
         self.d_v = d_v
         self.h = h_q
         self.split = split
+        # split mode only: the last CTA of a token merges the parts (common/decode_device.py)
+        self.fused = fused and split
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
@@ -84,6 +90,33 @@ class SparseMlaDecodeNarrowSm90:
     @cute.jit
     def __call__(
         self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        """The two-launch contract (``common/decode_host.py``); the fused tail's arguments are
+        placeholders that the kernel never touches."""
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+
+    @cute.jit
+    def _launch(
+        self,
         mQ: cute.Tensor,  # [b, s_q, h_q, d_qk] bf16
         mBias: cute.Tensor,  # [b | 1, h_q, d_qk] bf16
         mKV: cute.Tensor,  # [num_pages, page_size, 1, d_qk] bf16
@@ -94,6 +127,10 @@ class SparseMlaDecodeNarrowSm90:
         mO: cute.Tensor,  # split: [n_splits, b*s_q, h_q, d_v] f32; direct: [b, s_q, h_q, d_v] bf16
         mLse: cute.Tensor,
         mML: cute.Tensor,
+        mOF: cute.Tensor,  # fused: the merged [b, s_q, h_q, d_v] bf16
+        mLseF: cute.Tensor,  # fused: the merged [b, s_q, h_q] f32
+        mMLF: cute.Tensor,  # fused: the merged max_logits
+        mCnt: cute.Tensor,  # fused: [b*s_q] int32 arrival counters (zero between launches)
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -123,6 +160,7 @@ class SparseMlaDecodeNarrowSm90:
             sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * 4 * h], 16]  # [wg][slot][warp][h]
             sFin: cute.struct.Align[cute.struct.MemRange[Float32, 4 * h], 16]  # [warp][h]
             sState: cute.struct.Align[cute.struct.MemRange[Float32, n_state], 16]
+            sFlag: cute.struct.MemRange[Int32, 4]  # fused: "this CTA merges the token"
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -133,8 +171,8 @@ class SparseMlaDecodeNarrowSm90:
         topk = mIdx.shape[2]
         mIdx2 = cute.make_tensor(mIdx.iterator, cute.make_layout((n_tok, topk), stride=(topk, 1)))
         self.kernel(
-            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, scale_log2, flags, page_size,
-            tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
+            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+            page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage,
         ).launch(
             grid=[n_tok * n_splits, 1, 1],
@@ -160,6 +198,10 @@ class SparseMlaDecodeNarrowSm90:
         mO: cute.Tensor,
         mLse: cute.Tensor,
         mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -240,6 +282,12 @@ class SparseMlaDecodeNarrowSm90:
                 sP = storage.sP1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
                 self.consumer(mSink, mO, mLse, mML, scale_log2, flags, sValid, sQ, sK, sP, sRed, sFin, sState,
                               sK0_ptr, sK1_ptr, kb1, bar_valid1, split, token, num_iters, Int32(1), idx_in_wg)
+            if const_expr(self.fused):
+                sFlag = storage.sFlag.get_tensor(cute.make_layout(4))
+                last = dd.last_arrival(mCnt, token, n_splits, sFlag, tidx, 256, dd.BAR_ARRIVE, dd.BAR_LAST)
+                if last:
+                    dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
+                                   flags & Int32(dp.F_MAX_LOGITS), token, Int32(0), self.h, self.d_v, tidx, 256)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -483,7 +531,7 @@ class SparseMlaDecodeNarrowSm90:
         if lane < 4:
             for j in cutlass.range_constexpr(nc):
                 sFin[8 * (j // 2) + 2 * lane + j % 2, warp_in_wg] = rL[j]
-        cute.arch.barrier(barrier_id=BAR_FIN, number_of_threads=128)
+        cute.arch.barrier(barrier_id=BAR_SUMS, number_of_threads=128)
         # per head (warp 0, lanes 0..3 hold every column): 1/l, lse, max_logits
         inv_base = h * stride  # 1/l per head, after the staged rows
         if warp_in_wg == 0:
@@ -502,7 +550,7 @@ class SparseMlaDecodeNarrowSm90:
                         nonempty, cute.math.log(l) + rM[j] * dev.LN2, Float32(math.inf))))
                     if dp.flag(flags, dp.F_MAX_LOGITS):
                         dp.store_f32(mML, off, Float32(cutlass.select_(nonempty, rM[j] * dev.LN2, Float32(-math.inf))))
-        cute.arch.barrier(barrier_id=BAR_FIN, number_of_threads=128)
+        cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=128)
         base = dp.out_row_offset(split, n_tok, token, h, Int32(0), self.d_v) + Int64(4 * idx_in_wg)
         vec = cute.make_layout(4)
         rv = cute.make_rmem_tensor((4,), Float32)
@@ -516,3 +564,40 @@ class SparseMlaDecodeNarrowSm90:
             else:
                 rb.store(rv.load().to(BFloat16))
                 cute.autovec_copy(rb, cute.make_tensor((mO.iterator + off).align(8), vec))
+
+
+class SparseMlaDecodeNarrowSm90Fused(SparseMlaDecodeNarrowSm90):
+    """The split kernel with the combine folded in (one launch): the contract of
+    ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
+
+    def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128):
+        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
