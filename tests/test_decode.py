@@ -350,7 +350,7 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     assert out2.data_ptr() == out.data_ptr()
 
 
-def test_combine_mode_knob(monkeypatch):
+def test_decode_knobs(monkeypatch):
     monkeypatch.delenv(decode_host.ENV_COMBINE, raising=False)
     assert decode_host.combine_mode() == decode_host.DEFAULT_COMBINE
     monkeypatch.setenv(decode_host.ENV_COMBINE, "fused")
@@ -358,6 +358,14 @@ def test_combine_mode_knob(monkeypatch):
     monkeypatch.setenv(decode_host.ENV_COMBINE, "fast")
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_COMBINE='fast'"):
         decode_host.combine_mode()
+    monkeypatch.delenv(decode_host.ENV_L2_POLICY, raising=False)
+    monkeypatch.delenv(decode_host.ENV_PDL, raising=False)
+    assert decode_host.l2_evict_first() is False and decode_host.decode_knobs() == (True, 128)
+    monkeypatch.setenv(decode_host.ENV_L2_POLICY, "first")
+    assert decode_host.l2_evict_first() is True
+    monkeypatch.setenv(decode_host.ENV_L2_POLICY, "normal")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_L2_POLICY='normal'"):
+        decode_host.l2_evict_first()
 
 
 def test_sm90_supports_decode_configs():

@@ -8,14 +8,22 @@ CuTe DSL.  Kernel files must not import each other, so what both need lives here
   resets the counter (so the plan's workspace is zero again for the next launch or graph replay)
   and merges the row's parts in split order -- the order, hence the result, does not depend on
   which CTA arrives last.
+* :func:`tiled_mma` / :func:`issue_mma` -- the wgmma issue loop both kernels use (sm_90a).
+* :class:`PairedBlockConsumer` / :func:`paired_producer_loop` -- the 64-head kernel's main loop:
+  the prefill forward's paired-block schedule (``sm90/fwd.py`` keeps its own copy: the forward's
+  owner may switch it to this one).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass.cute.nvgpu import warp, warpgroup
+from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from . import device as dev
 from .combine import merge_item
 
 # Named barriers of the fused tail (ids no decode kernel uses otherwise; 256 consumer threads).
@@ -105,3 +113,260 @@ def merge_block(
         row = token * h + head0 + item // n_groups
         merge_item(mO3, mL2, mSink, mOut2, mLse1, mML2, mML1, h, use_sink, use_ml, row, item % n_groups, lane, d_v,
                    cutlass.Float32, cutlass.BFloat16, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma issue helpers (both decode kernels) and the paired-block schedule (64-head kernel)
+# ---------------------------------------------------------------------------------------------
+
+
+def tiled_mma(m: int, n: int, a_major, b_major, rs: bool = False):
+    """A one-warpgroup bf16 -> float32 tiled wgmma of ``m x n``; A from registers when ``rs``."""
+    src = warpgroup.OperandSource.RMEM if rs else warpgroup.OperandSource.SMEM
+    return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, a_major, b_major, Float32, (1, 1, 1), (m, n), src)
+
+
+@cute.jit
+def issue_mma(
+    acc: cute.Tensor,
+    tA: cute.Tensor,
+    tB: cute.Tensor,
+    k0: cutlass.Constexpr,
+    k1: cutlass.Constexpr,
+    clear: cutlass.Constexpr,
+    m: cutlass.Constexpr,
+    n: cutlass.Constexpr,
+    a_major: cutlass.Constexpr,
+    b_major: cutlass.Constexpr,
+    rs: cutlass.Constexpr = False,
+):
+    """Issue and commit ``acc (+)= sum_{k0 <= k < k1} A[:, :, k] B[:, :, k]`` (the first product
+    overwrites ``acc`` when ``clear``).  The tiled MMA is made here, once per call: its ACCUMULATE
+    field must not leak across dynamic regions."""
+    mma = tiled_mma(m, n, a_major, b_major, rs)
+    cute.nvgpu.warpgroup.fence()
+    for k in cutlass.range_constexpr(k0, k1):
+        mma.set(warpgroup.Field.ACCUMULATE, not (clear and k == k0))
+        cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
+    cute.nvgpu.warpgroup.commit_group()
+
+
+B_H = 64  # heads per CTA of the paired schedule (one wgmma M tile)
+B_TOPK = 64  # slots per block
+
+
+class PairedBlockConsumer:
+    """The two consumer warpgroups of the 64-head decode CTA: the prefill forward's paired-block
+    schedule (``sm90/fwd.py``, whose copy stays there): blocks in pairs, WG0 owns output columns
+    ``0 .. d_v/2``, WG1 the rest; WG0 finds block 0's row max, WG1 block 1's final max (exchanged
+    through ``sM0`` / ``sM1`` with :class:`~mla_kernels.common.device.PhaseSignal`), each WG's P
+    goes to the other through smem (``sS0`` / ``sS1``, named barriers ``bar_s0`` / ``bar_s1``).
+
+    The constructor (plain Python, no dynamic control flow) makes the fragments and views;
+    :meth:`loop` runs the blocks; ``acc_o``, ``rM`` (running max, scaled log2) and ``rL``
+    (partial row sums) hold the result for the caller's epilogue."""
+
+    def __init__(self, sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, d_qk: int, d_v: int):
+        self.d_v = d_v
+        self.n_k_tiles = d_qk // 64
+        self.n_left = (d_v // 2) // 64
+        mma_qk = tiled_mma(B_H, B_TOPK, OperandMajorMode.K, OperandMajorMode.K)
+        mma_rs = tiled_mma(B_H, d_v // 2, OperandMajorMode.K, OperandMajorMode.MN, True)
+        mma_ss = tiled_mma(B_H, d_v // 2, OperandMajorMode.K, OperandMajorMode.MN, False)
+        self.mma_rs = mma_rs
+        thr_qk = mma_qk.get_slice(idx_in_wg)
+        thr_rs = mma_rs.get_slice(idx_in_wg)
+        thr_ss = mma_ss.get_slice(idx_in_wg)
+        self.lane_quad = idx_in_wg % 4
+        self.row0 = dev.fragment_row(idx_in_wg, 0)
+        self.row1 = dev.fragment_row(idx_in_wg, 1)
+        self.tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        self.tSrK0 = thr_qk.make_fragment_B(thr_qk.partition_B(sK0))
+        self.tSrK1 = thr_qk.make_fragment_B(thr_qk.partition_B(sK1))
+        self.acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_H, B_TOPK)))
+        self.acc_o = thr_rs.make_fragment_C(thr_rs.partition_shape_C((B_H, d_v // 2)))
+        self.acc_o.fill(0.0)
+        self.tOrP = thr_rs.make_fragment_A(thr_rs.partition_shape_A((B_H, B_TOPK)))
+        self.tOrP_acc = cute.make_tensor(self.tOrP.iterator, self.acc_s.layout)  # P in the accumulator's order
+        # V^T views (d_v/2 x 64 tokens, MN-major) of this WG's half of each KV buffer
+        vt_layout = cute.select(sK0.layout, mode=[1, 0])
+        sVt0 = cute.local_tile(cute.make_tensor(sK0.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
+        sVt1 = cute.local_tile(cute.make_tensor(sK1.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
+        self.tOrV0_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt0))
+        self.tOrV1_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt1))
+        self.tOrV0_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt0))
+        self.tOrV1_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt1))
+        self.tOrS0 = thr_ss.make_fragment_A(thr_ss.partition_A(sS0))
+        self.tOrS1 = thr_ss.make_fragment_A(thr_ss.partition_A(sS1))
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        self.thr_st_p = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(idx_in_wg)
+        self.tPsS0 = self.thr_st_p.partition_D(sS0)
+        self.tPsS1 = self.thr_st_p.partition_D(sS1)
+        self.tPrP = self.thr_st_p.retile(self.tOrP_acc)
+        self.rM = cute.make_rmem_tensor((2,), Float32)
+        self.rL = cute.make_rmem_tensor((2,), Float32)
+        self.rM.fill(dev.MAX_INIT)
+        self.rL.fill(0.0)
+
+    @cute.jit
+    def qk(self, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr, clear: cutlass.Constexpr):
+        """Issue S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T."""
+        issue_mma(self.acc_s, self.tSrQ, tSrK, 4 * t0, 4 * t1, clear, B_H, B_TOPK, OperandMajorMode.K,
+                  OperandMajorMode.K)
+
+    @cute.jit
+    def pv(self, rs: cutlass.Constexpr, tA, tB):
+        """Issue O += P V over the 64 tokens of a block (P from registers when ``rs``)."""
+        issue_mma(self.acc_o, tA, tB, 0, B_TOPK // 16, False, B_H, self.d_v // 2, OperandMajorMode.K,
+                  OperandMajorMode.MN, rs)
+
+    @cute.jit
+    def loop(
+        self,
+        sValid: cute.Tensor,
+        sM0: cute.Tensor,
+        sM1: cute.Tensor,
+        k0l: cutlass.Constexpr,
+        k0r: cutlass.Constexpr,
+        k1l: cutlass.Constexpr,
+        k1r: cutlass.Constexpr,
+        bar_valid,
+        max0_ready: cutlass.Constexpr,
+        max1_ready: cutlass.Constexpr,
+        bar_s0: cutlass.Constexpr,
+        bar_s1: cutlass.Constexpr,
+        num_iters: Int32,
+        wg: Int32,
+        scale_log2: Float32,
+    ):
+        """``num_iters`` block pairs: QK^T, masks, online softmax, PV."""
+        acc_s, acc_o, rM, rL = self.acc_s, self.acc_o, self.rM, self.rL
+        row0, row1, lane_quad = self.row0, self.row1, self.lane_quad
+        n_left, n_k = self.n_left, self.n_k_tiles
+        if wg == 0:
+            if num_iters > 0:
+                k0l.wait_ready(0)
+                self.qk(self.tSrK0, 0, n_left, True)
+                k0r.wait_ready(0)
+                self.qk(self.tSrK0, n_left, n_k, False)
+                cute.nvgpu.warpgroup.wait_group(0)
+            for it in cutlass.range(num_iters, unroll=1):
+                parity = it & 1
+                cute.arch.mbarrier_wait(bar_valid, parity)
+                dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
+                # online softmax of block 0 against WG0's running max; publish the max
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
+                if lane_quad == 0:
+                    sM0[row0] = rM[0]
+                    sM0[row1] = rM[1]
+                max0_ready.arrive()
+                # O_left += P0 V0_left (P0 from registers)
+                self.tOrP_acc.store(acc_s.load().to(BFloat16))
+                self.pv(True, self.tOrP, self.tOrV0_rs)
+                cute.nvgpu.warpgroup.wait_group(0)
+                k0l.release()
+                # the final max from WG1: rescale P0, hand it to WG1 through smem
+                max1_ready.wait(parity)
+                m0 = sM1[row0]
+                m1 = sM1[row1]
+                sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
+                sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
+                rM[0] = m0
+                rM[1] = m1
+                dev.scale_rows(acc_s, sf0, sf1)
+                self.tOrP_acc.store(acc_s.load().to(BFloat16))
+                cute.copy(self.thr_st_p, self.tPrP, self.tPsS0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=bar_s0, number_of_threads=256)
+                # O_left += P1 V1_left (P1 from WG1 through smem)
+                cute.arch.barrier(barrier_id=bar_s1, number_of_threads=256)
+                dev.scale_rows(acc_o, sf0, sf1)
+                rL[0] = rL[0] * sf0
+                rL[1] = rL[1] * sf1
+                self.pv(False, self.tOrS1, self.tOrV1_ss)
+                if it + 1 < num_iters:
+                    nparity = parity ^ 1
+                    k0l.wait_ready(nparity)
+                    self.qk(self.tSrK0, 0, n_left, True)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    k1l.release()
+                    k0r.wait_ready(nparity)
+                    self.qk(self.tSrK0, n_left, n_k, False)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    k1l.release()
+        else:
+            for it in cutlass.range(num_iters, unroll=1):
+                parity = it & 1
+                k1r.wait_ready(parity)
+                self.qk(self.tSrK1, n_left, n_k, True)
+                k1l.wait_ready(parity)
+                self.qk(self.tSrK1, 0, n_left, False)
+                cute.nvgpu.warpgroup.wait_group(0)
+                cute.arch.mbarrier_wait(bar_valid, parity)
+                dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
+                # online softmax of block 1 against max(WG0's max, own); publish the final max
+                max0_ready.wait(parity)
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
+                if lane_quad == 0:
+                    sM1[row0] = rM[0]
+                    sM1[row1] = rM[1]
+                max1_ready.arrive()
+                # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
+                self.tOrP_acc.store(acc_s.load().to(BFloat16))
+                self.pv(True, self.tOrP, self.tOrV1_rs)
+                cute.copy(self.thr_st_p, self.tPrP, self.tPsS1)
+                cute.arch.barrier(barrier_id=bar_s0, number_of_threads=256)
+                self.pv(False, self.tOrS0, self.tOrV0_ss)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=bar_s1, number_of_threads=256)
+                cute.nvgpu.warpgroup.wait_group(1)
+                k1r.release()
+                cute.nvgpu.warpgroup.wait_group(0)
+                k0r.release()
+
+
+@cute.jit
+def paired_producer_loop(
+    gather,
+    sK0_addr: Int32,
+    sK1_addr: Int32,
+    sValid: cute.Tensor,
+    k0l: cutlass.Constexpr,
+    k0r: cutlass.Constexpr,
+    k1l: cutlass.Constexpr,
+    k1r: cutlass.Constexpr,
+    bar_valid,
+    blk0: Int32,
+    num_iters: Int32,
+    ptid: Int32,
+    warp_in_wg: Int32,
+    n_left: cutlass.Constexpr,
+    n_k_tiles: cutlass.Constexpr,
+):
+    """The producer of :class:`PairedBlockConsumer`: block ``blk0 + 2 it`` -> buffer 0, the next
+    -> buffer 1, in the halves' order the consumers free them (0L, 1R, 0R, 1L); then the four
+    validity words (one per warp: buffer ``w // 2``, tokens ``32 (w % 2) ..``) and one arrival
+    each on ``bar_valid``."""
+    for it in cutlass.range(num_iters, unroll=1):
+        parity = it & 1
+        blk = blk0 + 2 * it
+        gather.load_indices(blk, 0)
+        gather.load_indices(blk + 1, 1)
+        k0l.wait_free(parity)
+        gather.copy_tiles(sK0_addr, 0, 0, n_left)
+        k0l.commit_cp_async()
+        k1r.wait_free(parity)
+        gather.copy_tiles(sK1_addr, 1, n_left, n_k_tiles)
+        k1r.commit_cp_async()
+        k0r.wait_free(parity)
+        gather.copy_tiles(sK0_addr, 0, n_left, n_k_tiles)
+        k0r.commit_cp_async()
+        k1l.wait_free(parity)
+        gather.copy_tiles(sK1_addr, 1, 0, n_left)
+        k1l.commit_cp_async()
+        bits = gather.valid_word(blk + warp_in_wg // 2)
+        if ptid % 32 == 0:
+            sValid[warp_in_wg] = bits
+            cute.arch.mbarrier_arrive(bar_valid)

@@ -126,6 +126,7 @@ def _dtype_name(dt: torch.dtype) -> str:
 ENV_PDL = "MLA_KERNELS_DECODE_PDL"
 ENV_L2_PREFETCH = "MLA_KERNELS_DECODE_L2_PREFETCH"
 ENV_COMBINE = "MLA_KERNELS_DECODE_COMBINE"
+ENV_L2_POLICY = "MLA_KERNELS_DECODE_L2_POLICY"
 COMBINE_MODES = ("separate", "fused")
 DEFAULT_COMBINE = "separate"
 
@@ -143,16 +144,28 @@ def combine_mode() -> str:
     return mode
 
 
+def l2_evict_first() -> bool:
+    """``MLA_KERNELS_DECODE_L2_POLICY`` = ``last`` (default: the forward gather's evict_last hint;
+    the two head blocks of an h_q 128 token read the same rows) or ``first`` (evict_first: rows
+    read once), read when a plan is made."""
+    import os
+
+    v = os.environ.get(ENV_L2_POLICY, "last").strip()
+    if v not in ("last", "first"):
+        raise ValueError(f"{ENV_L2_POLICY}={v!r}: expected last or first")
+    return v == "first"
+
+
 def decode_knobs():
     """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
-    ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
-    dependent launch after the decode kernel -- measured no faster on an H200 and its launch
-    costs more host time, see docs/PERF.md) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
+    ``MLA_KERNELS_DECODE_PDL`` (``1`` default: the combine is launched with programmatic
+    dependent launch after the decode kernel -- its CTAs wait on the idle SMs --, 1-2 us faster
+    at b 1-2 on an H100 in a graph and eagerly (docs/PERF.md); ``0``: a plain launch) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
     default, ``256`` as the forward's gather -- 3.5-5% slower at b 128 --, ``0`` none: the L2
     prefetch size of the KV gather's cp.async)."""
     import os
 
-    pdl = os.environ.get(ENV_PDL, "0").strip()
+    pdl = os.environ.get(ENV_PDL, "1").strip()
     pf = os.environ.get(ENV_L2_PREFETCH, "128").strip()
     if pdl not in ("0", "1"):
         raise ValueError(f"{ENV_PDL}={pdl!r}: expected 0 or 1")
@@ -171,12 +184,15 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     pdl, pf = decode_knobs()
     fused = split and combine_mode() == "fused"
     plan.state["fused"] = fused
+    ef = l2_evict_first()
     kw = dict(l2_prefetch=pf, fused=True) if fused else dict(l2_prefetch=pf)
+    if ef:
+        kw["evict_first"] = True
     if plan.h_q in NARROW_HEADS:
-        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, arch),
+        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, arch),
                                        lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     else:
-        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, arch),
+        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, arch),
                                        lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
     st = plan.state

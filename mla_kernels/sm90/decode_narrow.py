@@ -32,7 +32,6 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
@@ -59,7 +58,7 @@ class SparseMlaDecodeNarrowSm90:
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
     def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
-                 fused: bool = False):
+                 fused: bool = False, evict_first: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -73,6 +72,7 @@ class SparseMlaDecodeNarrowSm90:
         # split mode only: the last CTA of a token merges the parts (common/decode_device.py)
         self.fused = fused and split
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
+        self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
         self.n_m_tiles = d_v // 64
@@ -244,10 +244,8 @@ class SparseMlaDecodeNarrowSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        topk = mIdx.shape[1]
-        topk_len = dp.topk_len_of(mTL, flags, b_idx, s_in, tl_stride_b, tl_stride_s, topk)
-        blk0, num_blocks, bound = dp.split_range(split, blocks_per_split, topk_len)
-        num_iters = (num_blocks + 1) // 2
+        blk0, num_iters, bound = dp.split_pairs(mTL, flags, b_idx, s_in, tl_stride_b, tl_stride_s, mIdx.shape[1],
+                                                split, blocks_per_split)
 
         sValid = storage.sValid.get_tensor(cute.make_layout(4))
         sK0_ptr = storage.sK0.data_ptr()
@@ -257,7 +255,7 @@ class SparseMlaDecodeNarrowSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             gather = dp.PagedKvGather(
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
-                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch,
+                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch, self.evict_first,
             )
             self.producer(gather, sK0_ptr, sK1_ptr, sValid, kb0, kb1, bar_valid0, bar_valid1, blk0, num_iters,
                           idx_in_wg, warp_idx % 4)
@@ -331,19 +329,6 @@ class SparseMlaDecodeNarrowSm90:
                     cute.arch.mbarrier_arrive(bar_valid1)
 
     # ------------------------------------------------------------------------------------------
-    def _mma_qk(self):
-        """S^T = K Q^T: 64 tokens x h heads; A = K, B = Q, both K-major in smem."""
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.h)
-        )
-
-    def _mma_pv(self):
-        """O^T += V^T P^T: 64 rows of d_v x h heads per m-tile; A = V^T (MN-major view of the KV
-        tile), B = P^T (K-major)."""
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.MN, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.h)
-        )
-
     @cute.jit
     def consumer(
         self,
@@ -375,8 +360,10 @@ class SparseMlaDecodeNarrowSm90:
         warp_in_wg = idx_in_wg // 32
         lane = idx_in_wg % 32
         lane_quad = lane % 4
-        mma_qk = self._mma_qk()
-        mma_pv = self._mma_pv()
+        # S^T = K Q^T (64 tokens x h heads; A = K, B = Q, both K-major) and O^T += V^T P^T (64 rows of
+        # d_v x h per m-tile; A = V^T, the MN-major view of the KV tile, B = P^T K-major)
+        mma_qk = dd.tiled_mma(B_TOPK, h, OperandMajorMode.K, OperandMajorMode.K)
+        mma_pv = dd.tiled_mma(B_TOPK, h, OperandMajorMode.MN, OperandMajorMode.K)
         thr_qk = mma_qk.get_slice(idx_in_wg)
         thr_pv = mma_pv.get_slice(idx_in_wg)
 
@@ -408,13 +395,8 @@ class SparseMlaDecodeNarrowSm90:
         for it in cutlass.range(num_iters, unroll=1):
             parity = it & 1
             kb.wait_ready(parity)
-            # fresh tiled MMAs per dynamic region (an ACCUMULATE field must not leak across regions)
-            mma_s = self._mma_qk()
-            cute.nvgpu.warpgroup.fence()
-            for k in cutlass.range_constexpr(self.n_k_tiles * 4):
-                mma_s.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(mma_s, acc_s, tSrK[None, None, k], tSrQ[None, None, k], acc_s)
-            cute.nvgpu.warpgroup.commit_group()
+            dd.issue_mma(acc_s, tSrK, tSrQ, 0, self.n_k_tiles * 4, True, B_TOPK, h, OperandMajorMode.K,
+                         OperandMajorMode.K)
             cute.nvgpu.warpgroup.wait_group(0)
 
             cute.arch.mbarrier_wait(bar_valid, parity)
@@ -460,12 +442,8 @@ class SparseMlaDecodeNarrowSm90:
             cute.copy(thr_cp, tPrP, tPsP)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_P + wg, number_of_threads=128)
-            mma_o = self._mma_pv()
-            cute.nvgpu.warpgroup.fence()
-            mma_o.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(B_TOPK // 16):
-                cute.gemm(mma_o, acc_o, tOrV[None, None, k], tOrP[None, None, k], acc_o)
-            cute.nvgpu.warpgroup.commit_group()
+            dd.issue_mma(acc_o, tOrV, tOrP, 0, B_TOPK // 16, False, B_TOPK, h, OperandMajorMode.MN,
+                         OperandMajorMode.K)
             cute.nvgpu.warpgroup.wait_group(0)
             kb.release()
 
@@ -570,8 +548,8 @@ class SparseMlaDecodeNarrowSm90Fused(SparseMlaDecodeNarrowSm90):
     """The split kernel with the combine folded in (one launch): the contract of
     ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
 
-    def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128):
-        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True)
+    def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
 
     @cute.jit
     def __call__(
