@@ -151,7 +151,6 @@ class SparseMlaDecodeSm90:
             sM0: cute.struct.MemRange[Float32, B_H]  # written by WG0 only
             sM1: cute.struct.MemRange[Float32, B_H]  # written by WG1 only
             sL: cute.struct.MemRange[Float32, 2 * B_H]
-            sFlag: cute.struct.MemRange[Int32, 4]  # fused: "this CTA merges the row"
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -288,8 +287,7 @@ class SparseMlaDecodeSm90:
                 idx_in_wg,
             )
             if const_expr(self.fused):
-                sFlag = storage.sFlag.get_tensor(cute.make_layout(4))
-                last = dd.last_arrival(mCnt, token * n_hblk + h_blk, n_splits, sFlag, tidx, 256, dd.BAR_ARRIVE,
+                last = dd.last_arrival(mCnt, token * n_hblk + h_blk, n_splits, tidx, 256, dd.BAR_ARRIVE,
                                        dd.BAR_LAST)
                 if last:
                     dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),

@@ -160,7 +160,6 @@ class SparseMlaDecodeNarrowSm90:
             sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * 4 * h], 16]  # [wg][slot][warp][h]
             sFin: cute.struct.Align[cute.struct.MemRange[Float32, 4 * h], 16]  # [warp][h]
             sState: cute.struct.Align[cute.struct.MemRange[Float32, n_state], 16]
-            sFlag: cute.struct.MemRange[Int32, 4]  # fused: "this CTA merges the token"
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -281,8 +280,7 @@ class SparseMlaDecodeNarrowSm90:
                 self.consumer(mSink, mO, mLse, mML, scale_log2, flags, sValid, sQ, sK, sP, sRed, sFin, sState,
                               sK0_ptr, sK1_ptr, kb1, bar_valid1, split, token, num_iters, Int32(1), idx_in_wg)
             if const_expr(self.fused):
-                sFlag = storage.sFlag.get_tensor(cute.make_layout(4))
-                last = dd.last_arrival(mCnt, token, n_splits, sFlag, tidx, 256, dd.BAR_ARRIVE, dd.BAR_LAST)
+                last = dd.last_arrival(mCnt, token, n_splits, tidx, 256, dd.BAR_ARRIVE, dd.BAR_LAST)
                 if last:
                     dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
                                    flags & Int32(dp.F_MAX_LOGITS), token, Int32(0), self.h, self.d_v, tidx, 256)
