@@ -360,12 +360,15 @@ def test_decode_knobs(monkeypatch):
         decode_host.combine_mode()
     monkeypatch.delenv(decode_host.ENV_L2_POLICY, raising=False)
     monkeypatch.delenv(decode_host.ENV_PDL, raising=False)
-    assert decode_host.l2_evict_first() is False and decode_host.decode_knobs() == (True, 128)
+    assert decode_host.decode_knobs() == (True, 128)
+    assert [decode_host.l2_evict_first(h) for h in (16, 64, 128)] == [True, True, False]  # auto
     monkeypatch.setenv(decode_host.ENV_L2_POLICY, "first")
-    assert decode_host.l2_evict_first() is True
+    assert decode_host.l2_evict_first(128) is True
+    monkeypatch.setenv(decode_host.ENV_L2_POLICY, "last")
+    assert decode_host.l2_evict_first(16) is False
     monkeypatch.setenv(decode_host.ENV_L2_POLICY, "normal")
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_L2_POLICY='normal'"):
-        decode_host.l2_evict_first()
+        decode_host.l2_evict_first(16)
 
 
 def test_sm90_supports_decode_configs():

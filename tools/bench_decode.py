@@ -229,9 +229,10 @@ def rows(args):
     only = getattr(args, "cases", "") or ""
     forced_splits = getattr(args, "num_splits", None)
     physical = getattr(args, "physical", False)
-    from mla_kernels.common.decode_host import combine_mode, decode_knobs, l2_evict_first
+    from mla_kernels.common.decode_host import combine_mode, decode_knobs
 
-    knobs = dict(zip(("pdl", "l2_prefetch"), decode_knobs()), combine=combine_mode(), evict_first=l2_evict_first())
+    knobs = dict(zip(("pdl", "l2_prefetch"), decode_knobs()), combine=combine_mode(),
+                 l2_policy=os.environ.get("MLA_KERNELS_DECODE_L2_POLICY", "auto"))
     device = torch.device("cpu" if cpu else "cuda")
     dtype = torch.float32 if cpu else torch.bfloat16
     if cpu:
@@ -347,8 +348,8 @@ AB_VARIANTS = [
     ("pdl-off", {"MLA_KERNELS_DECODE_PDL": "0"}, SMALL, {}),
     ("l2-256", {"MLA_KERNELS_DECODE_L2_PREFETCH": "256"}, "b128-sq1-h16,b128-sq1-h64", {}),
     ("l2-0", {"MLA_KERNELS_DECODE_L2_PREFETCH": "0"}, "b128-sq1-h16,b128-sq1-h32,b128-sq1-h64", {}),
-    ("evict-first", {"MLA_KERNELS_DECODE_L2_POLICY": "first"},
-     "b128-sq1-h16,b128-sq1-h32,b128-sq1-h64,v32-b128-sq2-h128", {}),
+    ("evict-last", {"MLA_KERNELS_DECODE_L2_POLICY": "last"}, "b128-sq1-h16,b128-sq1-h32,b128-sq1-h64", {}),
+    ("evict-first", {"MLA_KERNELS_DECODE_L2_POLICY": "first"}, "v32-b128-sq2-h128", {}),
     ("physical", {}, "v32-b1-sq1-h128,b128-sq1-h16", {"physical": True}),
     ("splits-4", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
     ("splits-8", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 8}),
