@@ -360,8 +360,8 @@ def test_decode_knobs(monkeypatch):
         decode_host.combine_mode()
     monkeypatch.delenv(decode_host.ENV_L2_POLICY, raising=False)
     monkeypatch.delenv(decode_host.ENV_PDL, raising=False)
-    assert decode_host.decode_knobs() == (True, 128)
-    assert [decode_host.l2_evict_first(h) for h in (16, 64, 128)] == [True, True, False]  # auto
+    assert decode_host.decode_knobs() == (False, 128)
+    assert [decode_host.l2_evict_first(h) for h in (8, 32, 64, 128)] == [True, True, False, False]  # auto
     monkeypatch.setenv(decode_host.ENV_L2_POLICY, "first")
     assert decode_host.l2_evict_first(128) is True
     monkeypatch.setenv(decode_host.ENV_L2_POLICY, "last")

@@ -146,28 +146,29 @@ def combine_mode() -> str:
 
 def l2_evict_first(h_q: int) -> bool:
     """The gather's L2 hint for a plan of ``h_q`` heads: ``MLA_KERNELS_DECODE_L2_POLICY`` =
-    ``auto`` (default: evict_first when one CTA reads a token's rows -- h_q <= 64: rows read once;
-    evict_last, the forward gather's hint, when several head blocks read the same rows), ``last``
-    or ``first``; read when a plan is made.  Measured on an H200 (docs/PERF.md): evict_first
-    1-2% faster at b 128 for h_q 16/32/64 (CUDA-graph GPU time), equal at h_q 128."""
+    ``auto`` (default: evict_first for the narrow-head kernel, h_q <= 32, whose rows one CTA reads
+    once; evict_last, the forward gather's hint, otherwise), ``last`` or ``first``; read when a
+    plan is made.  Measured on an H200 (docs/PERF.md, CUDA-graph GPU time at b 128, two runs):
+    evict_first 1.6-3.1% faster for h_q 16/32, +-1-2% (noise) for h_q 64 and 128."""
     import os
 
     v = os.environ.get(ENV_L2_POLICY, "auto").strip()
     if v not in ("auto", "last", "first"):
         raise ValueError(f"{ENV_L2_POLICY}={v!r}: expected auto, last or first")
-    return v == "first" or (v == "auto" and h_q <= 64)
+    return v == "first" or (v == "auto" and h_q in NARROW_HEADS)
 
 
 def decode_knobs():
     """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
-    ``MLA_KERNELS_DECODE_PDL`` (``1`` default: the combine is launched with programmatic
-    dependent launch after the decode kernel -- its CTAs wait on the idle SMs --, 1-2 us faster
-    at b 1-2 on an H100 in a graph and eagerly (docs/PERF.md); ``0``: a plain launch) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
+    ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
+    dependent launch after the decode kernel -- in a CUDA graph on an H200 0.1-1.5 us slower at
+    b 1-2 for h_q 64/128 in two runs, on an H100 0.3-0.8 us faster; eagerly up to 2.7 us faster
+    for h_q 16/32: docs/PERF.md) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
     default, ``256`` as the forward's gather -- 3.5-5% slower at b 128 --, ``0`` none: the L2
     prefetch size of the KV gather's cp.async)."""
     import os
 
-    pdl = os.environ.get(ENV_PDL, "1").strip()
+    pdl = os.environ.get(ENV_PDL, "0").strip()
     pf = os.environ.get(ENV_L2_PREFETCH, "128").strip()
     if pdl not in ("0", "1"):
         raise ValueError(f"{ENV_PDL}={pdl!r}: expected 0 or 1")
