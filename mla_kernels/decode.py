@@ -22,7 +22,9 @@ graph-capturable without refilling anything): a request whose ``topk_length`` is
 its later splits empty (they exit after writing ``lse = +inf``) instead of rebalancing as
 FlashMLA's scheduler does.  Each split writes a float32 partial (normalised by its own softmax
 sum) and its lse; the lse combine (:mod:`mla_kernels.common.combine`) merges them and applies
-the sink.  ``num_splits`` can be forced per plan.
+the sink -- as a second kernel (default), or folded into the split kernel
+(``MLA_KERNELS_DECODE_COMBINE=fused``: the last CTA of a row to finish merges that row, counted
+in the plan's ``counters``; :mod:`mla_kernels.common.decode_device`).  ``num_splits`` can be forced per plan.
 
 Outputs live in the plan: a call returns views of the plan's ``out`` and ``lse`` buffers, which
 the next call with the same plan overwrites (clone them to keep a step's result).
@@ -96,6 +98,9 @@ class DecodePlan:
     out_parts: Optional[torch.Tensor] = None
     lse_parts: Optional[torch.Tensor] = None
     max_logits_parts: Optional[torch.Tensor] = None
+    #: the fused combine's per-row arrival counters (int32, zero between launches; split plans made
+    #: with ``MLA_KERNELS_DECODE_COMBINE=fused`` only)
+    counters: Optional[torch.Tensor] = None
     #: backend-owned state (compiled kernels, placeholders, cached views)
     state: Dict[str, Any] = field(default_factory=dict)
     #: what the per-call check compares against (set by ``allocate``)

@@ -19,9 +19,12 @@ class Calls:
         self.log = []
 
 
-def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls):
-    def fn(q, bias, kv4, idx, bt, tl, sink, out, lse, ml, scale_log2, flags, page_size, tl_b, tl_s, n_splits, bps):
-        calls.log.append(("decode", d_qk, h_q, split, flags, n_splits, bps, tl_b, tl_s))
+def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bool = False):
+    def fn(q, bias, kv4, idx, bt, tl, sink, out, lse, ml, *rest):
+        if fused:  # the merged outputs and the arrival counters come after max_logits
+            out_f, lse_f, ml_f, cnt, *rest = rest
+        scale_log2, flags, page_size, tl_b, tl_s, n_splits, bps = rest
+        calls.log.append(("decode", d_qk, h_q, split, flags, n_splits, bps, tl_b, tl_s) + (("fused",) if fused else ()))
         b, s_q, h, d = q.shape
         assert (h, d) == (h_q, d_qk) and q.dtype == torch.bfloat16 and q.is_contiguous()
         assert kv4.dim() == 4 and kv4.shape[2] == 1 and kv4.shape[3] == d and page_size == kv4.shape[1]
@@ -56,6 +59,16 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls):
             lse.copy_(lses.reshape(n_splits, T, h))
             if flags & dh.F_MAX_LOGITS:
                 ml.copy_(mls.reshape(n_splits, T, h))
+            if fused:  # the last CTA's merge; the counters are zero before and after
+                assert cnt.dtype == torch.int32 and cnt.dim() == 1 and bool((cnt == 0).all())
+                assert cnt.numel() == T * (1 if h <= 32 else h // 64)
+                assert out_f.shape == (b, s_q, h, 512) and out_f.dtype == torch.bfloat16
+                o, l_ = ref.merge_attn_partials_ref(out.reshape(n_splits, T, h, 512), lse.reshape(n_splits, T, h),
+                                                    sink if flags & dh.F_SINK else None, torch.bfloat16)
+                out_f.copy_(o.reshape(b, s_q, h, 512))
+                lse_f.copy_(l_.reshape(b, s_q, h))
+                if flags & dh.F_MAX_LOGITS:
+                    ml_f.copy_(ml.reshape(n_splits, b, s_q, h).amax(0))
         else:
             o, l_ = outs[0], lses[0]
             if flags & dh.F_SINK:
@@ -87,7 +100,7 @@ def make_combine(d_v: int, in_dtype: str, out_dtype: str, calls: Calls):
 def emulated_compilers(calls: Calls):
     """``(compile_wide, compile_narrow, compile_combine)`` as ``prepare_decode`` takes them."""
     return (
-        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls)),
-        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls)),
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False))),
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False))),
         lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
     )

@@ -294,9 +294,11 @@ def emulated_sm90(monkeypatch):
     return make
 
 
-@pytest.mark.parametrize("h,num_splits", [(16, 1), (16, 3), (128, 1), (64, 4)])
+@pytest.mark.parametrize("h,num_splits,combine", [(16, 1, "separate"), (16, 3, "separate"), (128, 1, "separate"),
+                                                  (64, 4, "separate"), (16, 3, "fused"), (128, 2, "fused")])
 @pytest.mark.parametrize("opts", ["none", "all", "bt_tl2"])
-def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, opts):
+def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, combine, opts, monkeypatch):
+    monkeypatch.setenv(decode_host.ENV_COMBINE, combine)
     b, s_q, d, topk = 3, 2, 576, 260
     q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=h + num_splits, dtype=torch.bfloat16, num_pages=50,
                                 max_pages=20)
@@ -319,14 +321,18 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, opts
     plan.lse.fill_(math.nan)
     out, lse, ml = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, tl, sink, q_bias=bias, plan=plan, **kw)
     kinds = [c[0] for c in emulated_sm90.calls.log]
-    assert kinds == (["decode", "combine"] if plan.split else ["decode"])
+    fused = plan.split and combine == "fused"
+    assert kinds == (["decode", "combine"] if plan.split and not fused else ["decode"])
+    assert (emulated_sm90.calls.log[0][-1] == "fused") == fused
+    assert (plan.counters is not None) == fused
     flags = emulated_sm90.calls.log[0][4]
     assert bool(flags & decode_host.F_BLOCK_TABLE) == ("block_table" in kw)
     assert bool(flags & decode_host.F_TOPK_LENGTH) == (tl is not None)
     assert bool(flags & decode_host.F_BIAS) == (bias is not None)
-    assert bool(flags & decode_host.F_SINK) == (sink is not None and not plan.split)  # split: the combine's
+    # the sink goes to the kernel that writes the merged output: the combine's in split mode
+    assert bool(flags & decode_host.F_SINK) == (sink is not None and (fused or not plan.split))
     assert flags & decode_host.F_MAX_LOGITS
-    if plan.split:
+    if plan.split and not fused:
         assert emulated_sm90.calls.log[1][-1] == (1 if sink is not None else 0)
     qr = q.float()
     if bias is not None:
@@ -342,6 +348,27 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, opts
     # a second call allocates nothing new and reuses the buffers
     out2, _, _ = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, tl, sink, q_bias=bias, plan=plan, **kw)
     assert out2.data_ptr() == out.data_ptr()
+
+
+def test_decode_knobs(monkeypatch):
+    monkeypatch.delenv(decode_host.ENV_COMBINE, raising=False)
+    assert decode_host.combine_mode() == decode_host.DEFAULT_COMBINE
+    monkeypatch.setenv(decode_host.ENV_COMBINE, "fused")
+    assert decode_host.combine_mode() == "fused"
+    monkeypatch.setenv(decode_host.ENV_COMBINE, "fast")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_COMBINE='fast'"):
+        decode_host.combine_mode()
+    monkeypatch.delenv(decode_host.ENV_L2_POLICY, raising=False)
+    monkeypatch.delenv(decode_host.ENV_PDL, raising=False)
+    assert decode_host.decode_knobs() == (False, 128)
+    assert [decode_host.l2_evict_first(h) for h in (8, 32, 64, 128)] == [True, True, False, False]  # auto
+    monkeypatch.setenv(decode_host.ENV_L2_POLICY, "first")
+    assert decode_host.l2_evict_first(128) is True
+    monkeypatch.setenv(decode_host.ENV_L2_POLICY, "last")
+    assert decode_host.l2_evict_first(16) is False
+    monkeypatch.setenv(decode_host.ENV_L2_POLICY, "normal")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_L2_POLICY='normal'"):
+        decode_host.l2_evict_first(16)
 
 
 def test_sm90_supports_decode_configs():

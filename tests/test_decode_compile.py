@@ -9,7 +9,8 @@ from conftest import compile_report_module
 
 pytestmark = pytest.mark.compile
 SMEM_LIMIT = 232448
-NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512"}
+NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
+         "sm90_decode_narrow_d576_h8_fused"}
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,15 @@ def test_combine_kernel(report):
     sass, base = _common(report["combine_f32_bf16_d512"])
     assert sass.get("LDG.E.128", 0) >= 8  # 16-byte part loads, several parts in flight
     assert base.get("HGMMA", 0) == 0 and base.get("MUFU", 0) > 0
+
+
+def test_fused_tail(report):
+    """The fused split kernel (MLA_KERNELS_DECODE_COMBINE=fused): one arrival atomic per CTA, the
+    last-arrival verdict broadcast by a barrier reduction (no shared flag), the merge's 16-byte
+    part loads, and the decode itself unchanged (heads on N, the same gather)."""
+    r = report["sm90_decode_narrow_d576_h8_fused"]
+    sass, base = _common(r)
+    assert sum(v for k, v in sass.items() if k.startswith("ATOMG")) == 1
+    assert sum(v for k, v in sass.items() if k.startswith("BAR.RED")) == 1
+    assert sass.get("LDG.E.128", 0) >= 1
+    assert sass.get("HGMMA.64x8x16.F32.BF16", 0) == 2 * (36 + 32) and base.get("LDGSTS", 0) == 72

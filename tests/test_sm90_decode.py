@@ -118,15 +118,27 @@ def run(c, sm_scale=None, plan=None, poison=True, **kw):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("combine", ["separate", "fused"])
 @pytest.mark.parametrize("h", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("b,s_q,topk", [(1, 1, 2048), (3, 2, 512)])
-def test_decode_every_option_split(h, b, s_q, topk, monkeypatch):
+def test_decode_every_option_split(h, b, s_q, topk, combine, monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")  # no silent fallback
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
     c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=h + b)
-    plan = mk.decode_plan(b, s_q, h, topk, device="cuda")
+    plan = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True)
     assert plan.backend_name == "sm90" and plan.num_splits > 1
-    out, lse, sc = run(c, plan=plan)
-    check(out, lse, want_of(c, sc), c)
+    assert (plan.counters is not None) == (combine == "fused")
+    first = None
+    for rep in range(2):  # the second call finds the counters the first one reset
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
+        if plan.counters is not None:
+            assert int(plan.counters.abs().sum()) == 0
+        if first is None:
+            first = (out.clone(), lse.clone())
+        else:  # a fixed merge order: bitwise the same whichever CTA arrived last
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
 
 
 @pytest.mark.parametrize("h,b,s_q", [(16, 140, 1), (64, 140, 1), (128, 35, 2), (32, 70, 2)])
@@ -157,11 +169,13 @@ def test_decode_flat_cache_and_block_table_page_64(monkeypatch):
     check(out, lse, want_of(c, sc), c)
 
 
-@pytest.mark.parametrize("h,num_splits", [(16, 32), (128, 32), (64, 3)])
-def test_decode_forced_splits_and_odd_topk(h, num_splits, monkeypatch):
+@pytest.mark.parametrize("h,num_splits,combine", [(16, 32, "separate"), (128, 32, "separate"), (64, 3, "separate"),
+                                                  (16, 32, "fused"), (128, 32, "fused"), (24, 5, "fused")])
+def test_decode_forced_splits_and_odd_topk(h, num_splits, combine, monkeypatch):
     # 32 splits of topk 2048: one block per split (the pair's padding block is masked at the
-    # split's end); topk 200 is not a multiple of 64
+    # split's end); topk 200 is not a multiple of 64 (and leaves later splits empty)
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
     for topk in (2048, 200):
         c = dcase(2, 1, h, topk, tl="b", sink=True, seed=topk + h)
         plan = mk.decode_plan(2, 1, h, topk, device="cuda", num_splits=num_splits)
@@ -187,11 +201,13 @@ def test_decode_unit_scale_values(monkeypatch):
     check(out, lse, want_of(c, sc), c, abs_tol=8e-3)
 
 
-def test_decode_matches_unsplit_and_graph_capture(monkeypatch):
+@pytest.mark.parametrize("combine,h", [("separate", 128), ("fused", 128), ("fused", 16)])
+def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
     """A planned step captured in a CUDA graph, replayed with new q / indices / topk_length /
     block_table contents; split and unsplit plans agree to bf16 rounding."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
-    b, s_q, h, topk = 2, 2, 128, 2048
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
+    b, s_q, topk = 2, 2, 2048
     c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=11)
     sc = 576 ** -0.5
     plan = mk.decode_plan(b, s_q, h, topk, device="cuda")

@@ -74,16 +74,26 @@ def hbm_of(gpu_name: str):
     return None
 
 
-def flashmla_binary():
-    """FlashMLA's decode anchor binary, found above this file (``.peers/anchors/flashmla``)."""
+PEER_DIRS = (".peers", ".pdec")  # the full peers tree, or the decode binary alone
+
+
+def flashmla_binary(peers=None):
+    """FlashMLA's decode anchor binary: ``$MLA_FLASHMLA_DECODE_BIN``, else
+    ``<peers>/anchors/flashmla/bench_sm90_decode`` for ``--peers DIR``, else that path under a
+    ``.peers`` or ``.pdec`` directory above this file."""
     env = os.environ.get("MLA_FLASHMLA_DECODE_BIN")
     if env:
         return env if os.path.isfile(env) else None
+    rel = os.path.join("anchors", "flashmla", "bench_sm90_decode")
+    if peers:
+        cand = os.path.join(peers, rel)
+        return cand if os.path.isfile(cand) else None
     d = os.path.dirname(os.path.abspath(__file__))
     for _ in range(5):
-        cand = os.path.join(d, ".peers", "anchors", "flashmla", "bench_sm90_decode")
-        if os.path.isfile(cand):
-            return cand
+        for sub in PEER_DIRS:
+            cand = os.path.join(d, sub, rel)
+            if os.path.isfile(cand):
+                return cand
         d = os.path.dirname(d)
     return None
 
@@ -219,9 +229,10 @@ def rows(args):
     only = getattr(args, "cases", "") or ""
     forced_splits = getattr(args, "num_splits", None)
     physical = getattr(args, "physical", False)
-    from mla_kernels.common.decode_host import decode_knobs
+    from mla_kernels.common.decode_host import combine_mode, decode_knobs
 
-    knobs = dict(zip(("pdl", "l2_prefetch"), decode_knobs()))
+    knobs = dict(zip(("pdl", "l2_prefetch"), decode_knobs()), combine=combine_mode(),
+                 l2_policy=os.environ.get("MLA_KERNELS_DECODE_L2_POLICY", "auto"))
     device = torch.device("cpu" if cpu else "cuda")
     dtype = torch.float32 if cpu else torch.bfloat16
     if cpu:
@@ -302,7 +313,7 @@ def rows(args):
         if r["h_q"] < 64 and (r["b"], r["s_q"], 64) in t_by_shape:
             r["padded_us"] = t_by_shape[(r["b"], r["s_q"], 64)]
             r["x_vs_padded"] = r["padded_us"] / r["us"]
-    binary = None if cpu or getattr(args, "no_flashmla", False) else flashmla_binary()
+    binary = None if cpu or getattr(args, "no_flashmla", False) else flashmla_binary(getattr(args, "peers", None))
     if binary:
         want = [(r["b"], r["s_q"], r["h_q"], r["topk"], r["seq_len"]) for r in out_rows if r["h_q"] in (64, 128)]
         fm = run_flashmla(binary, want)
@@ -328,10 +339,17 @@ def print_table(rs):
               f"{f(r.get('x_vs_padded'), 7, 2)} {f(r.get('flashmla_us'), 11)}")
 
 
+SMALL = "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h64,b1-sq1-h32,b1-sq1-h16"
 AB_VARIANTS = [
     # (label, env, cases, options)
-    ("pdl-on", {"MLA_KERNELS_DECODE_PDL": "1"}, "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h16", {}),
+    ("fused", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, SMALL, {}),
+    ("fused-splits-4", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
+    ("fused-splits-8", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 8}),
+    ("pdl-on", {"MLA_KERNELS_DECODE_PDL": "1"}, SMALL, {}),
     ("l2-256", {"MLA_KERNELS_DECODE_L2_PREFETCH": "256"}, "b128-sq1-h16,b128-sq1-h64", {}),
+    ("l2-0", {"MLA_KERNELS_DECODE_L2_PREFETCH": "0"}, "b128-sq1-h16,b128-sq1-h32,b128-sq1-h64", {}),
+    ("evict-last", {"MLA_KERNELS_DECODE_L2_POLICY": "last"}, "b128-sq1-h16,b128-sq1-h32", {}),
+    ("evict-first", {"MLA_KERNELS_DECODE_L2_POLICY": "first"}, "b128-sq1-h64,v32-b128-sq2-h128", {}),
     ("physical", {}, "v32-b1-sq1-h128,b128-sq1-h16", {"physical": True}),
     ("splits-4", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
     ("splits-8", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 8}),
@@ -343,7 +361,10 @@ def ab_rows(args):
     """The main rows again under each of :data:`AB_VARIANTS` (a knob, physical ids or a forced
     split count), in this process; rows tagged with ``variant``."""
     out = []
+    only = set(args.variants.split(",")) if getattr(args, "variants", "") else None
     for label, env, cases, opts in AB_VARIANTS:
+        if only is not None and label not in only:
+            continue
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -379,6 +400,10 @@ def main(argv=None):
     ap.add_argument("--ab", action="store_true",
                     help="then the comparisons behind docs/PERF.md's notes: the PDL and L2-prefetch knobs, "
                          "physical ids, forced split counts")
+    ap.add_argument("--variants", default="", help="with --ab: only these variant labels (comma-separated)")
+    ap.add_argument("--peers", default=None,
+                    help="directory holding anchors/flashmla/bench_sm90_decode (default: a .peers or .pdec "
+                         "directory above this file)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if args.reps < 20:

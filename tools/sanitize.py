@@ -71,9 +71,11 @@ GROUPS = (
     Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "bwd_asum", "bwd_det")),
     Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
     # the decode path (paged cache, block table, q_bias, split-top-k + lse combine, one-split
-    # direct bf16 output, heads on the MMA's N side for h_q <= 32) and merge_attn_partials
+    # direct bf16 output, heads on the MMA's N side for h_q <= 32, the combine fused into the split
+    # kernel: the last CTA merges) and merge_attn_partials
     Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_narrow_split_h16",
-                                             "decode_narrow_direct_h32_d512", "merge")),
+                                             "decode_narrow_direct_h32_d512", "decode_fused_h128",
+                                             "decode_narrow_fused_h16", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 
@@ -257,6 +259,7 @@ def _decode_steps(g: Group, step, dev) -> None:
 
     import mla_kernels as mk
     from mla_kernels import reference as ref
+    from mla_kernels.common.decode_host import ENV_COMBINE
 
     gen = torch.Generator().manual_seed(4321)
     page, n_pages, b, s_q, topk = 16, 40, 3, 2, 256
@@ -273,14 +276,22 @@ def _decode_steps(g: Group, step, dev) -> None:
         bias = (torch.randn(b, h, d_qk, generator=gen) * 0.05).to(torch.bfloat16)
         return cache, q, bt, idx, tl, sink, bias
 
-    def run(op, h, d_qk, splits):
+    def run(op, h, d_qk, splits, combine="separate"):
         cache, q, bt, idx, tl, sink, bias = case(h, d_qk)
         scale = d_qk ** -0.5
         w_out, w_lse = ref.sparse_mla_decode_ref(q.float(), cache.float(), idx, scale, 512, tl, sink, bt, bias)
         to = lambda t: t.to(dev) if t is not None else None  # noqa: E731
 
         def call():
-            plan = mk.decode_plan(b, s_q, h, topk, d_qk=d_qk, device=dev, num_splits=splits)
+            saved = os.environ.get(ENV_COMBINE)
+            os.environ[ENV_COMBINE] = combine  # read when the plan is made
+            try:
+                plan = mk.decode_plan(b, s_q, h, topk, d_qk=d_qk, device=dev, num_splits=splits)
+            finally:
+                if saved is None:
+                    os.environ.pop(ENV_COMBINE)
+                else:
+                    os.environ[ENV_COMBINE] = saved
             return mk.sparse_mla_decode(to(q), to(cache), to(idx), scale, 512, to(tl), to(sink),
                                         block_table=to(bt), q_bias=to(bias), plan=plan)
 
@@ -291,6 +302,9 @@ def _decode_steps(g: Group, step, dev) -> None:
                                 ("decode_narrow_direct_h32_d512", 32, 512, 1)):
         if op in g.ops:
             run(op, h, d_qk, splits)
+    for op, h, splits in (("decode_fused_h128", 128, 3), ("decode_narrow_fused_h16", 16, 4)):
+        if op in g.ops:
+            run(op, h, 576, splits, "fused")
     if "merge" in g.ops:
         n, rows, h = 3, 37, 128
         outs = torch.randn(n, rows, h, 512, generator=gen)

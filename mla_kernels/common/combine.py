@@ -31,7 +31,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from . import device as dev
 
@@ -92,64 +92,107 @@ class LseCombine:
         cute.arch.griddepcontrol_wait()  # the producing kernel's grid is complete (PDL launch)
         group = item % self.n_groups
         if row < n_rows:
-            # ---- pass 1: max and sum over the parts (lanes over parts), in log2 units --------
-            m = Float32(dev.MAX_INIT)
-            s = Float32(0.0)
-            for i0 in cutlass.range(0, n_parts, 32, unroll=1):
-                i = i0 + lane
-                x = Float32(-math.inf)
-                if i < n_parts:
-                    x = mL[i, row]
-                # +inf (empty) and NaN count as empty
-                xl = Float32(cutlass.select_(x < Float32(math.inf), x * dev.LOG2E, Float32(-math.inf)))
-                m_new = cute.arch.fmax(m, xl)
-                s = s * cute.math.exp2(m - m_new, fastmath=True) + cute.math.exp2(xl - m_new, fastmath=True)
-                m = m_new
-            for off in (16, 8, 4, 2, 1):
-                m_o = cute.arch.shuffle_sync_bfly(m, offset=off)
-                s_o = cute.arch.shuffle_sync_bfly(s, offset=off)
-                m_new = cute.arch.fmax(m, m_o)
-                s = s * cute.math.exp2(m - m_new, fastmath=True) + s_o * cute.math.exp2(m_o - m_new, fastmath=True)
-                m = m_new
-            nonempty = s > Float32(0.0)
-            # lse in log2 units; +inf for an all-empty row makes every weight exp2(-inf) = 0
-            lse2 = Float32(cutlass.select_(nonempty, m + cute.math.log2(s, fastmath=False), Float32(math.inf)))
+            merge_item(mO, mL, mSink, mOut, mLse, mL, mLse, n_heads, has_sink, Int32(0), row, group, lane,
+                       self.d_v, self.in_dtype, self.out_dtype, False)
 
-            # ---- pass 2: weighted sum of the parts -------------------------------------------
-            vec = self.vec
-            col = Int64((group * 32 + lane) * vec)
-            vec_layout = cute.make_layout(vec)
-            acc = cute.make_rmem_tensor((vec,), Float32)
-            acc.fill(0.0)
-            buf = cute.make_rmem_tensor((vec,), self.in_dtype)
-            row_off = Int64(row) * self.d_v + col
-            part_stride = Int64(n_rows) * self.d_v
-            for i in cutlass.range(n_parts, unroll=UNROLL):
-                x = mL[i, row]
-                xl = Float32(cutlass.select_(x < Float32(math.inf), x * dev.LOG2E, Float32(-math.inf)))
-                w = cute.math.exp2(xl - lse2, fastmath=True)
-                src = cute.make_tensor((mO.iterator + (Int64(i) * part_stride + row_off)).align(16), vec_layout)
-                cute.autovec_copy(src, buf)
-                v = buf.load().to(Float32)
-                for e in cutlass.range_constexpr(vec):
-                    acc[e] = acc[e] + Float32(cutlass.select_(w > Float32(0.0), w * v[e], Float32(0.0)))
 
-            lse = lse2 * dev.LN2  # +inf stays +inf
-            if has_sink != 0:
-                sink = mSink[row % n_heads]
-                # exp(lse) / (exp(lse) + exp(sink)); an empty row has acc = 0 already
-                f = Float32(1.0) / (Float32(1.0) + cute.math.exp2((sink - lse) * dev.LOG2E, fastmath=True))
-                f = Float32(cutlass.select_(nonempty, f, Float32(0.0)))
-                for e in cutlass.range_constexpr(vec):
-                    acc[e] = acc[e] * f
-            res = cute.make_rmem_tensor((vec,), self.out_dtype)
-            res.store(acc.load().to(self.out_dtype))
-            out_align = vec * (self.out_dtype.width // 8)
-            dst = cute.make_tensor((mOut.iterator + row_off).align(out_align), vec_layout)
-            cute.autovec_copy(res, dst)
-            if group == 0:
+@cute.jit
+def merge_item(
+    mO: cute.Tensor,
+    mL: cute.Tensor,
+    mSink: cute.Tensor,
+    mOut: cute.Tensor,
+    mLse: cute.Tensor,
+    mMLp: cute.Tensor,
+    mMLout: cute.Tensor,
+    n_heads: Int32,
+    has_sink: Int32,
+    use_ml: Int32,
+    row: Int32,
+    group: Int32,
+    lane: Int32,
+    d_v: cutlass.Constexpr,
+    in_dtype: cutlass.Constexpr,
+    out_dtype: cutlass.Constexpr,
+    with_ml: cutlass.Constexpr,
+):
+    """One warp merges columns ``[group * 32 * vec, (group + 1) * 32 * vec)`` of row ``row``:
+    ``mO`` is ``[n, P, d_v]`` (only its iterator is used: parts ``n_rows * d_v`` elements apart),
+    ``mL [n, P]`` the parts' lse, ``mOut [P, d_v]`` / ``mLse [P]`` the merged row (``mLse`` written
+    by group 0's lane 0).  ``with_ml`` (static) and ``use_ml`` (runtime): also the max over the
+    parts of ``mMLp [n, P]`` into ``mMLout [P]`` (``-inf`` when every part is empty).  Shared by
+    the combine kernel and the decode kernels' fused tail (``common/decode_device.py``)."""
+    n_parts = mL.shape[0]
+    n_rows = mL.shape[1]
+    vec = 16 // (in_dtype.width // 8)
+    # ---- pass 1: max and sum over the parts (lanes over parts), in log2 units ----------------
+    m = Float32(dev.MAX_INIT)
+    s = Float32(0.0)
+    for i0 in cutlass.range(0, n_parts, 32, unroll=1):
+        i = i0 + lane
+        x = Float32(-math.inf)
+        if i < n_parts:
+            x = mL[i, row]
+        # +inf (empty) and NaN count as empty
+        xl = Float32(cutlass.select_(x < Float32(math.inf), x * dev.LOG2E, Float32(-math.inf)))
+        m_new = cute.arch.fmax(m, xl)
+        s = s * cute.math.exp2(m - m_new, fastmath=True) + cute.math.exp2(xl - m_new, fastmath=True)
+        m = m_new
+    for off in (16, 8, 4, 2, 1):
+        m_o = cute.arch.shuffle_sync_bfly(m, offset=off)
+        s_o = cute.arch.shuffle_sync_bfly(s, offset=off)
+        m_new = cute.arch.fmax(m, m_o)
+        s = s * cute.math.exp2(m - m_new, fastmath=True) + s_o * cute.math.exp2(m_o - m_new, fastmath=True)
+        m = m_new
+    nonempty = s > Float32(0.0)
+    # lse in log2 units; +inf for an all-empty row makes every weight exp2(-inf) = 0
+    lse2 = Float32(cutlass.select_(nonempty, m + cute.math.log2(s, fastmath=False), Float32(math.inf)))
+
+    # ---- pass 2: weighted sum of the parts ------------------------------------------------------
+    col = Int64((group * 32 + lane) * vec)
+    vec_layout = cute.make_layout(vec)
+    acc = cute.make_rmem_tensor((vec,), Float32)
+    acc.fill(0.0)
+    buf = cute.make_rmem_tensor((vec,), in_dtype)
+    row_off = Int64(row) * d_v + col
+    part_stride = Int64(n_rows) * d_v
+    for i in cutlass.range(n_parts, unroll=UNROLL):
+        x = mL[i, row]
+        xl = Float32(cutlass.select_(x < Float32(math.inf), x * dev.LOG2E, Float32(-math.inf)))
+        w = cute.math.exp2(xl - lse2, fastmath=True)
+        src = cute.make_tensor((mO.iterator + (Int64(i) * part_stride + row_off)).align(16), vec_layout)
+        cute.autovec_copy(src, buf)
+        v = buf.load().to(Float32)
+        for e in cutlass.range_constexpr(vec):
+            acc[e] = acc[e] + Float32(cutlass.select_(w > Float32(0.0), w * v[e], Float32(0.0)))
+
+    lse = lse2 * dev.LN2  # +inf stays +inf
+    if has_sink != 0:
+        sink = mSink[row % n_heads]
+        # exp(lse) / (exp(lse) + exp(sink)); an empty row has acc = 0 already
+        f = Float32(1.0) / (Float32(1.0) + cute.math.exp2((sink - lse) * dev.LOG2E, fastmath=True))
+        f = Float32(cutlass.select_(nonempty, f, Float32(0.0)))
+        for e in cutlass.range_constexpr(vec):
+            acc[e] = acc[e] * f
+    res = cute.make_rmem_tensor((vec,), out_dtype)
+    res.store(acc.load().to(out_dtype))
+    out_align = vec * (out_dtype.width // 8)
+    dst = cute.make_tensor((mOut.iterator + row_off).align(out_align), vec_layout)
+    cute.autovec_copy(res, dst)
+    if group == 0:
+        if const_expr(with_ml):
+            if use_ml != 0:
+                mx = Float32(-math.inf)
+                for i0 in cutlass.range(0, n_parts, 32, unroll=1):
+                    i = i0 + lane
+                    if i < n_parts:
+                        mx = cute.arch.fmax(mx, mMLp[i, row])
+                for off in (16, 8, 4, 2, 1):
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
                 if lane == 0:
-                    mLse[row] = lse
+                    mMLout[row] = mx
+        if lane == 0:
+            mLse[row] = lse
 
 
 def combine_fake_args(d_v: int, in_dtype: str, out_dtype: str):

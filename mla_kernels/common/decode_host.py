@@ -10,6 +10,10 @@ Argument contract of a decode kernel (``sm90/decode.py``, ``sm90/decode_narrow.p
 
 ``out`` is ``[n_splits, b*s_q, h_q, d_v]`` float32 (split mode) or ``[b, s_q, h_q, d_v]`` bf16
 (direct mode); ``lse`` / ``max_logits`` ``[n_splits, b*s_q, h_q]`` or ``[b, s_q, h_q]`` float32.
+The fused split kernels (the combine folded in: ``common/decode_device.py``) take four more
+after ``max_logits``: the merged ``out [b, s_q, h_q, d_v]`` bf16, ``lse`` and ``max_logits
+[b, s_q, h_q]`` float32 and the plan's arrival counters ``[rows]`` int32 (zero between launches;
+the kernel that uses them resets them).
 Absent optional inputs are small cached placeholders with the flag bit cleared
 (``common/decode_parts.F_*``).
 """
@@ -33,13 +37,22 @@ F_SINK = 8
 F_MAX_LOGITS = 16
 
 
-def decode_fake_args(d_qk: int, h_q: int, split: bool):
+def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False):
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     b, s_q, nb, pages, psz, b2, s2, topk, nbt, maxp, ntl, ns = (cute.sym_int() for _ in range(12))
     o0, o1, l0, l1, m0, m1 = (cute.sym_int() for _ in range(6))
     o_dtype = Float32 if split else BFloat16
+    tail = ()
+    if fused:
+        f0, f1, g0, g1, k0, k1, nc = (cute.sym_int() for _ in range(7))
+        tail = (
+            host.fake(BFloat16, (f0, f1, h_q, D_V)),
+            host.fake(Float32, (g0, g1, h_q), align=4),
+            host.fake(Float32, (k0, k1, h_q), align=4),
+            host.fake(Int32, (nc,), align=4),
+        )
     return (
         host.fake(BFloat16, (b, s_q, h_q, d_qk)),
         host.fake(BFloat16, (nb, h_q, d_qk)),
@@ -51,6 +64,7 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool):
         host.fake(o_dtype, (o0, o1, h_q, D_V)),
         host.fake(Float32, (l0, l1, h_q), align=4),
         host.fake(Float32, (m0, m1, h_q), align=4),
+        *tail,
         Float32(1.0),
         Int32(0),
         Int32(1),
@@ -62,10 +76,10 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool):
     )
 
 
-def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, **kw):
+def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False, **kw):
     from .. import _compile
 
-    return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split), arch=arch, **kw)
+    return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused), arch=arch, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,13 +125,45 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 ENV_PDL = "MLA_KERNELS_DECODE_PDL"
 ENV_L2_PREFETCH = "MLA_KERNELS_DECODE_L2_PREFETCH"
+ENV_COMBINE = "MLA_KERNELS_DECODE_COMBINE"
+ENV_L2_POLICY = "MLA_KERNELS_DECODE_L2_POLICY"
+COMBINE_MODES = ("separate", "fused")
+DEFAULT_COMBINE = "separate"
+
+
+def combine_mode() -> str:
+    """How a split plan merges its parts, read when a plan is made: ``MLA_KERNELS_DECODE_COMBINE``
+    = ``separate`` (default: the combine kernel after the decode kernel, two launches) or
+    ``fused`` (one launch: the last CTA of each row merges it; see docs/PERF.md for which
+    measures faster)."""
+    import os
+
+    mode = os.environ.get(ENV_COMBINE, DEFAULT_COMBINE).strip()
+    if mode not in COMBINE_MODES:
+        raise ValueError(f"{ENV_COMBINE}={mode!r}: expected one of {', '.join(COMBINE_MODES)}")
+    return mode
+
+
+def l2_evict_first(h_q: int) -> bool:
+    """The gather's L2 hint for a plan of ``h_q`` heads: ``MLA_KERNELS_DECODE_L2_POLICY`` =
+    ``auto`` (default: evict_first for the narrow-head kernel, h_q <= 32, whose rows one CTA reads
+    once; evict_last, the forward gather's hint, otherwise), ``last`` or ``first``; read when a
+    plan is made.  Measured on an H200 (docs/PERF.md, CUDA-graph GPU time at b 128, two runs):
+    evict_first 1.6-3.1% faster for h_q 16/32, +-1-2% (noise) for h_q 64 and 128."""
+    import os
+
+    v = os.environ.get(ENV_L2_POLICY, "auto").strip()
+    if v not in ("auto", "last", "first"):
+        raise ValueError(f"{ENV_L2_POLICY}={v!r}: expected auto, last or first")
+    return v == "first" or (v == "auto" and h_q in NARROW_HEADS)
 
 
 def decode_knobs():
     """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
     ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
-    dependent launch after the decode kernel -- measured no faster on an H200 and its launch
-    costs more host time, see docs/PERF.md) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
+    dependent launch after the decode kernel -- in a CUDA graph on an H200 0.1-1.5 us slower at
+    b 1-2 for h_q 64/128 in two runs, on an H100 0.3-0.8 us faster; eagerly up to 2.7 us faster
+    for h_q 16/32: docs/PERF.md) and ``MLA_KERNELS_DECODE_L2_PREFETCH`` (``128``
     default, ``256`` as the forward's gather -- 3.5-5% slower at b 128 --, ``0`` none: the L2
     prefetch size of the KV gather's cp.async)."""
     import os
@@ -139,12 +185,18 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     arch = _compile.arch_for_device(plan.device)
     split = plan.num_splits > 1
     pdl, pf = decode_knobs()
+    fused = split and combine_mode() == "fused"
+    plan.state["fused"] = fused
+    ef = l2_evict_first(plan.h_q)
+    kw = dict(l2_prefetch=pf, fused=True) if fused else dict(l2_prefetch=pf)
+    if ef:
+        kw["evict_first"] = True
     if plan.h_q in NARROW_HEADS:
-        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, arch),
-                                       lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, l2_prefetch=pf))[1]
+        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, arch),
+                                       lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     else:
-        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, arch),
-                                       lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, l2_prefetch=pf))[1]
+        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, arch),
+                                       lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
     st = plan.state
     st["kernel"] = kern
@@ -154,7 +206,11 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     st["sink0"] = torch.zeros(1, dtype=torch.float32, device=dev)
     st["ml0"] = torch.zeros(1, 1, h, dtype=torch.float32, device=dev)
     st["scale_log2"] = None
-    if split:
+    if fused:
+        # the arrival counters of the fused kernel's rows: zero now, reset by the kernel
+        rows = T * (1 if plan.h_q in NARROW_HEADS else plan.h_q // 64)
+        plan.counters = torch.zeros(rows, dtype=torch.int32, device=dev)
+    elif split:
         n = plan.num_splits
         st["combine"] = _compile.cached_compile(("LseCombine", plan.d_v, "f32", "bf16", pdl, arch),
                                                 lambda: compile_combine(plan.d_v, "f32", "bf16", arch, pdl=pdl))[1]
@@ -192,7 +248,18 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
         kv_cache = kv_cache.view(1, kv_cache.shape[0], 1, kv_cache.shape[-1])
     page_size = kv_cache.shape[1]
     scale_log2 = sm_scale * math.log2(math.e)
-    if plan.num_splits > 1:
+    if st["fused"]:
+        ml, ml_f = (plan.max_logits_parts, plan.max_logits) if plan.with_max_logits else (st["ml0"], st["ml0"])
+        if plan.with_max_logits:
+            flags |= F_MAX_LOGITS
+        if attn_sink is None:
+            attn_sink = st["sink0"]
+        else:
+            flags |= F_SINK
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
+                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, plan.counters, scale_log2, flags, page_size, tl_b,
+                     tl_s, plan.num_splits, plan.blocks_per_split)
+    elif plan.num_splits > 1:
         ml = plan.max_logits_parts if plan.with_max_logits else st["ml0"]
         if plan.with_max_logits:
             flags |= F_MAX_LOGITS

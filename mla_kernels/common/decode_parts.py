@@ -43,8 +43,10 @@ class PagedKvGather(KvGather):
     """
 
     def __init__(self, mKV, mIdx, s_idx, topk_len, ptid, d_qk, slots, mBT, b_idx, use_bt, page_size,
-                 l2_prefetch: int = 128):
+                 l2_prefetch: int = 128, evict_first: bool = False):
         super().__init__(mKV, mIdx, s_idx, topk_len, ptid, d_qk, slots)
+        if evict_first:  # rows read once (a knob: MLA_KERNELS_DECODE_L2_POLICY)
+            self.policy = dev.createpolicy_evict_first()
         assert l2_prefetch in (0, 128, 256), l2_prefetch
         self.l2_prefetch = l2_prefetch
         self.mBT = mBT
@@ -157,6 +159,16 @@ def split_range(split: Int32, blocks_per_split: Int32, topk_len: Int32):
     n_blocks = cutlass.max(blk1 - blk0, Int32(0))
     bound = cutlass.min(topk_len, blk1 * BLOCK)
     return blk0, n_blocks, bound
+
+
+def split_pairs(mTL, flags: Int32, b_idx: Int32, s_idx: Int32, tl_stride_b: Int32, tl_stride_s: Int32, topk,
+                split: Int32, blocks_per_split: Int32):
+    """``(first block, block pairs, slot bound)`` of this CTA's split of token ``(b_idx, s_idx)``:
+    :func:`topk_len_of` then :func:`split_range`, the blocks taken in pairs (one per consumer
+    buffer; the odd pair's padding block is masked by the bound)."""
+    topk_len = topk_len_of(mTL, flags, b_idx, s_idx, tl_stride_b, tl_stride_s, topk)
+    blk0, n_blocks, bound = split_range(split, blocks_per_split, topk_len)
+    return blk0, (n_blocks + 1) // 2, bound
 
 
 def out_row_offset(split: Int32, n_tokens: Int32, token: Int32, h: int, head: Int32, d_v: int) -> Int64:

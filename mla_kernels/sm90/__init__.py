@@ -66,22 +66,30 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
                                            arch=arch, **kw)
 
 
-def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128, **kw):
-    """Compile the sm90 split decode for h_q a multiple of 64 (no GPU needed)."""
+def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128,
+                   fused: bool = False, evict_first: bool = False, **kw):
+    """Compile the sm90 split decode for h_q a multiple of 64 (no GPU needed); ``fused`` (split
+    only): the combine folded in."""
     from ..common.decode_host import compile_decode_kernel
-    from .decode import SparseMlaDecodeSm90
+    from .decode import SparseMlaDecodeSm90, SparseMlaDecodeSm90Fused
 
-    return compile_decode_kernel(SparseMlaDecodeSm90(d_qk, split, l2_prefetch=l2_prefetch), d_qk, h_q, split, arch,
-                                 **kw)
+    fused = fused and split
+    kernel = (SparseMlaDecodeSm90Fused(d_qk, l2_prefetch=l2_prefetch, evict_first=evict_first) if fused
+              else SparseMlaDecodeSm90(d_qk, split, l2_prefetch=l2_prefetch, evict_first=evict_first))
+    return compile_decode_kernel(kernel, d_qk, h_q, split, arch, fused=fused, **kw)
 
 
-def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128, **kw):
-    """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed)."""
+def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128,
+                          fused: bool = False, evict_first: bool = False, **kw):
+    """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed);
+    ``fused`` (split only): the combine folded in."""
     from ..common.decode_host import compile_decode_kernel
-    from .decode_narrow import SparseMlaDecodeNarrowSm90
+    from .decode_narrow import SparseMlaDecodeNarrowSm90, SparseMlaDecodeNarrowSm90Fused
 
-    return compile_decode_kernel(SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch), d_qk, h_q,
-                                 split, arch, **kw)
+    fused = fused and split
+    kernel = (SparseMlaDecodeNarrowSm90Fused(d_qk, h_q, l2_prefetch=l2_prefetch, evict_first=evict_first) if fused
+              else SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch, evict_first=evict_first))
+    return compile_decode_kernel(kernel, d_qk, h_q, split, arch, fused=fused, **kw)
 
 
 def compile_combine(d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", arch: str = "sm_90a",

@@ -31,11 +31,10 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
-from cutlass.cute.nvgpu import warp, warpgroup
-from cutlass.cute.nvgpu.common import OperandMajorMode
+from cutlass.cute.nvgpu import warpgroup
 
+from ..common import decode_device as dd
 from ..common import decode_parts as dp
 from ..common import device as dev
 
@@ -53,7 +52,8 @@ BAR_Q_READY = 6  # Q (+ bias) stored by the consumers
 class SparseMlaDecodeSm90:
     """Static configuration + host launcher + device kernel of the sm90 split decode (h_q % 64 == 0)."""
 
-    def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128):
+    def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128, fused: bool = False,
+                 evict_first: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 decode supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -61,7 +61,10 @@ class SparseMlaDecodeSm90:
         self.d_qk = d_qk
         self.d_v = d_v
         self.split = split
+        # split mode only: the last CTA of a row merges the parts (common/decode_device.py)
+        self.fused = fused and split
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
+        self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -76,6 +79,33 @@ class SparseMlaDecodeSm90:
     @cute.jit
     def __call__(
         self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        """The two-launch contract (``common/decode_host.py``); the fused tail's arguments are
+        placeholders that the kernel never touches."""
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+
+    @cute.jit
+    def _launch(
+        self,
         mQ: cute.Tensor,  # [b, s_q, h_q, d_qk] bf16
         mBias: cute.Tensor,  # [b | 1, h_q, d_qk] bf16
         mKV: cute.Tensor,  # [num_pages, page_size, 1, d_qk] bf16
@@ -86,6 +116,10 @@ class SparseMlaDecodeSm90:
         mO: cute.Tensor,  # split: [n_splits, b*s_q, h_q, d_v] f32; direct: [b, s_q, h_q, d_v] bf16
         mLse: cute.Tensor,  # split: [n_splits, b*s_q, h_q]; direct: [b, s_q, h_q] f32
         mML: cute.Tensor,  # like mLse (written only with F_MAX_LOGITS)
+        mOF: cute.Tensor,  # fused: the merged [b, s_q, h_q, d_v] bf16
+        mLseF: cute.Tensor,  # fused: the merged [b, s_q, h_q] f32
+        mMLF: cute.Tensor,  # fused: the merged max_logits
+        mCnt: cute.Tensor,  # fused: [b*s_q*n_hblk] int32 arrival counters (zero between launches)
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -129,8 +163,8 @@ class SparseMlaDecodeSm90:
         mIdx2 = cute.make_tensor(mIdx.iterator, cute.make_layout((n_tok, topk), stride=(topk, 1)))
         n_hblk = h_q // B_H
         self.kernel(
-            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, scale_log2, flags, page_size,
-            tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
+            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+            page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage, n_hblk,
         ).launch(
             grid=[n_tok * n_hblk * n_splits, 1, 1],
@@ -156,6 +190,10 @@ class SparseMlaDecodeSm90:
         mO: cute.Tensor,
         mLse: cute.Tensor,
         mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -216,10 +254,8 @@ class SparseMlaDecodeSm90:
         else:
             sS0 = storage.sS0.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
-        topk = mIdx.shape[1]
-        topk_len = dp.topk_len_of(mTL, flags, b_idx, s_in, tl_stride_b, tl_stride_s, topk)
-        blk0, num_blocks, bound = dp.split_range(split, blocks_per_split, topk_len)
-        num_iters = (num_blocks + 1) // 2
+        blk0, num_iters, bound = dp.split_pairs(mTL, flags, b_idx, s_in, tl_stride_b, tl_stride_s, mIdx.shape[1],
+                                                split, blocks_per_split)
 
         sValid = storage.sValid.get_tensor(cute.make_layout(4))
         sM0 = storage.sM0.get_tensor(cute.make_layout(B_H))
@@ -233,10 +269,11 @@ class SparseMlaDecodeSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             gather = dp.PagedKvGather(
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
-                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch,
+                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch, self.evict_first,
             )
-            self.producer(gather, sK0_ptr, sK1_ptr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0, num_iters,
-                          idx_in_wg, warp_idx % 4)
+            dd.paired_producer_loop(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid, k0l, k0r,
+                                    k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg, warp_idx % 4, self.n_left,
+                                    self.n_k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             # Q (+ bias) for this head block, by the 256 consumer threads
@@ -249,49 +286,12 @@ class SparseMlaDecodeSm90:
                 k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, split, token, h_blk, num_iters, wg,
                 idx_in_wg,
             )
-
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def producer(
-        self,
-        gather,
-        sK0_ptr: cute.Pointer,
-        sK1_ptr: cute.Pointer,
-        sValid: cute.Tensor,
-        k0l: cutlass.Constexpr,
-        k0r: cutlass.Constexpr,
-        k1l: cutlass.Constexpr,
-        k1r: cutlass.Constexpr,
-        bar_valid,
-        blk0: Int32,
-        num_iters: Int32,
-        ptid: Int32,
-        warp_in_wg: Int32,
-    ):
-        """WG2: gather the split's KV rows with cp.async in halves; publish validity bitmasks."""
-        sK0_addr = dev.smem_addr_u32(sK0_ptr)
-        sK1_addr = dev.smem_addr_u32(sK1_ptr)
-        for it in cutlass.range(num_iters, unroll=1):
-            parity = it & 1
-            blk = blk0 + 2 * it
-            gather.load_indices(blk, 0)
-            gather.load_indices(blk + 1, 1)
-            k0l.wait_free(parity)
-            gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
-            k0l.commit_cp_async()
-            k1r.wait_free(parity)
-            gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
-            k1r.commit_cp_async()
-            k0r.wait_free(parity)
-            gather.copy_tiles(sK0_addr, 0, self.n_left, self.n_k_tiles)
-            k0r.commit_cp_async()
-            k1l.wait_free(parity)
-            gather.copy_tiles(sK1_addr, 1, 0, self.n_left)
-            k1l.commit_cp_async()
-            bits = gather.valid_word(blk + warp_in_wg // 2)
-            if ptid % 32 == 0:
-                sValid[warp_in_wg] = bits
-                cute.arch.mbarrier_arrive(bar_valid)
+            if const_expr(self.fused):
+                last = dd.last_arrival(mCnt, token * n_hblk + h_blk, n_splits, tidx, 256, dd.BAR_ARRIVE,
+                                       dd.BAR_LAST)
+                if last:
+                    dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
+                                   flags & Int32(dp.F_MAX_LOGITS), token, h_blk * B_H, B_H, self.d_v, tidx, 256)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -326,164 +326,13 @@ class SparseMlaDecodeSm90:
         wg: Int32,
         idx_in_wg: Int32,
     ):
-        """WG0 / WG1: QK^T, online softmax, PV (the forward's schedule), then the epilogue."""
-        d_v = self.d_v
-        mma_qk = self._mma_qk()
-        mma_pv_rs = self._mma_pv(rs=True)
-        mma_pv_ss = self._mma_pv(rs=False)
-        thr_qk = mma_qk.get_slice(idx_in_wg)
-        thr_rs = mma_pv_rs.get_slice(idx_in_wg)
-        thr_ss = mma_pv_ss.get_slice(idx_in_wg)
-        lane_quad = idx_in_wg % 4
-        row0 = dev.fragment_row(idx_in_wg, 0)
-        row1 = dev.fragment_row(idx_in_wg, 1)
-
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK0 = thr_qk.make_fragment_B(thr_qk.partition_B(sK0))
-        tSrK1 = thr_qk.make_fragment_B(thr_qk.partition_B(sK1))
-        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_H, B_TOPK)))
-        acc_o = thr_rs.make_fragment_C(thr_rs.partition_shape_C((B_H, d_v // 2)))
-        acc_o.fill(0.0)
-        tOrP = thr_rs.make_fragment_A(thr_rs.partition_shape_A((B_H, B_TOPK)))
-        tOrP_acc = cute.make_tensor(tOrP.iterator, acc_s.layout)
-
-        vt_layout = cute.select(sK0.layout, mode=[1, 0])
-        sVt0 = cute.local_tile(cute.make_tensor(sK0.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
-        sVt1 = cute.local_tile(cute.make_tensor(sK1.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
-        tOrV0_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt0))
-        tOrV1_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt1))
-        tOrV0_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt0))
-        tOrV1_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt1))
-        tOrS0 = thr_ss.make_fragment_A(thr_ss.partition_A(sS0))
-        tOrS1 = thr_ss.make_fragment_A(thr_ss.partition_A(sS1))
-
-        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        thr_st_p = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(idx_in_wg)
-        tPsS0 = thr_st_p.partition_D(sS0)
-        tPsS1 = thr_st_p.partition_D(sS1)
-        tPrP = thr_st_p.retile(tOrP_acc)
-
-        rM = cute.make_rmem_tensor((2,), Float32)
-        rL = cute.make_rmem_tensor((2,), Float32)
-        rM.fill(dev.MAX_INIT)
-        rL.fill(0.0)
-
-        if wg == 0:
-            if num_iters > 0:
-                k0l.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
-                k0r.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
-                cute.nvgpu.warpgroup.wait_group(0)
-            for it in cutlass.range(num_iters, unroll=1):
-                parity = it & 1
-                cute.arch.mbarrier_wait(bar_valid, parity)
-                dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
-                if lane_quad == 0:
-                    sM0[row0] = rM[0]
-                    sM0[row1] = rM[1]
-                max0_ready.arrive()
-                tOrP_acc.store(acc_s.load().to(BFloat16))
-                self._pv(True, acc_o, tOrP, tOrV0_rs)
-                cute.nvgpu.warpgroup.wait_group(0)
-                k0l.release()
-                max1_ready.wait(parity)
-                m0 = sM1[row0]
-                m1 = sM1[row1]
-                sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
-                sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
-                rM[0] = m0
-                rM[1] = m1
-                dev.scale_rows(acc_s, sf0, sf1)
-                tOrP_acc.store(acc_s.load().to(BFloat16))
-                cute.copy(thr_st_p, tPrP, tPsS0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=BAR_S0_READY, number_of_threads=256)
-                cute.arch.barrier(barrier_id=BAR_S1_READY, number_of_threads=256)
-                dev.scale_rows(acc_o, sf0, sf1)
-                rL[0] = rL[0] * sf0
-                rL[1] = rL[1] * sf1
-                self._pv(False, acc_o, tOrS1, tOrV1_ss)
-                if it + 1 < num_iters:
-                    nparity = parity ^ 1
-                    k0l.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    k1l.release()
-                    k0r.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    k1l.release()
-        else:
-            for it in cutlass.range(num_iters, unroll=1):
-                parity = it & 1
-                k1r.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrK1, self.n_left, self.n_k_tiles, True)
-                k1l.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrK1, 0, self.n_left, False)
-                cute.nvgpu.warpgroup.wait_group(0)
-                cute.arch.mbarrier_wait(bar_valid, parity)
-                dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
-                max0_ready.wait(parity)
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
-                if lane_quad == 0:
-                    sM1[row0] = rM[0]
-                    sM1[row1] = rM[1]
-                max1_ready.arrive()
-                tOrP_acc.store(acc_s.load().to(BFloat16))
-                self._pv(True, acc_o, tOrP, tOrV1_rs)
-                cute.copy(thr_st_p, tPrP, tPsS1)
-                cute.arch.barrier(barrier_id=BAR_S0_READY, number_of_threads=256)
-                self._pv(False, acc_o, tOrS0, tOrV0_ss)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=BAR_S1_READY, number_of_threads=256)
-                cute.nvgpu.warpgroup.wait_group(1)
-                k1r.release()
-                cute.nvgpu.warpgroup.wait_group(0)
-                k0r.release()
-
-        self._epilogue(mSink, mO, mLse, mML, flags, sL, acc_o, rM, rL, split, token, h_blk, wg, idx_in_wg,
-                       row0, row1, lane_quad)
-
-    def _mma_qk(self):
-        """S = Q K^T: 64 heads x 64 tokens, both operands K-major in smem."""
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
-        )
-
-    def _mma_pv(self, rs: bool):
-        """O += P V: 64 heads x d_v/2 columns; P from registers (rs) or smem, V^T MN-major in smem."""
-        src = warpgroup.OperandSource.RMEM if rs else warpgroup.OperandSource.SMEM
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-            (B_H, self.d_v // 2), src,
-        )
-
-    @cute.jit
-    def _qk(self, acc_s, tSrQ, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr,
-            clear: cutlass.Constexpr):
-        """Issue (and commit) S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T."""
-        mma_qk = self._mma_qk()
-        cute.nvgpu.warpgroup.fence()
-        for t in cutlass.range_constexpr(t0, t1):
-            for kk in cutlass.range_constexpr(4):
-                k = t * 4 + kk
-                mma_qk.set(warpgroup.Field.ACCUMULATE, not (clear and t == t0 and kk == 0))
-                cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-        cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _pv(self, rs: cutlass.Constexpr, acc_o, tA, tB):
-        """Issue (and commit) O += P V over the 64 tokens of a block."""
-        mma = self._mma_pv(rs)
-        cute.nvgpu.warpgroup.fence()
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(mma, acc_o, tA[None, None, k], tB[None, None, k], acc_o)
-        cute.nvgpu.warpgroup.commit_group()
+        """WG0 / WG1: the forward's paired-block schedule (``common/decode_device.py``), then the
+        epilogue."""
+        c = dd.PairedBlockConsumer(sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, self.d_qk, self.d_v)
+        c.loop(sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, BAR_S0_READY, BAR_S1_READY,
+               num_iters, wg, scale_log2)
+        self._epilogue(mSink, mO, mLse, mML, flags, sL, c.acc_o, c.rM, c.rL, split, token, h_blk, wg, idx_in_wg,
+                       c.row0, c.row1, c.lane_quad)
 
     @cute.jit
     def _epilogue(self, mSink, mO, mLse, mML, flags, sL, acc_o, rM, rL, split, token, h_blk, wg, idx_in_wg,
@@ -546,3 +395,40 @@ def n_tokens_of(mLse, split: bool):
     if split:
         return mLse.shape[1]
     return mLse.shape[0] * mLse.shape[1]
+
+
+class SparseMlaDecodeSm90Fused(SparseMlaDecodeSm90):
+    """The split kernel with the combine folded in (one launch): the contract of
+    ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
+
+    def __init__(self, d_qk: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)

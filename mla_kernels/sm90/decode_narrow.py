@@ -32,11 +32,11 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..common import decode_device as dd
 from ..common import decode_parts as dp
 from ..common import device as dev
 
@@ -49,13 +49,16 @@ BAR_RED = 1  # + wg: per-WG column-max exchange (128 threads)
 BAR_P = 3  # + wg: per-WG P^T stored (128 threads)
 BAR_Q_READY = 5  # Q (+ bias) stored (256 threads)
 BAR_MERGE = 6  # WG1's state is in smem (WG1 arrives, WG0 waits; 256)
-BAR_FIN = 7  # WG0's final sum exchange, then the output staging (128)
+BAR_FIN = 7  # WG0 is done reading WG1's O^T before the staging overwrites it (128)
+BAR_SUMS = 10  # WG0's column sums are in sFin (128)
+BAR_STAGED = 11  # 1/l per head and the staged rows are in smem (128)
 
 
 class SparseMlaDecodeNarrowSm90:
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
-    def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128):
+    def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
+                 fused: bool = False, evict_first: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -66,7 +69,10 @@ class SparseMlaDecodeNarrowSm90:
         self.d_v = d_v
         self.h = h_q
         self.split = split
+        # split mode only: the last CTA of a token merges the parts (common/decode_device.py)
+        self.fused = fused and split
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
+        self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
         self.n_m_tiles = d_v // 64
@@ -84,6 +90,33 @@ class SparseMlaDecodeNarrowSm90:
     @cute.jit
     def __call__(
         self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        """The two-launch contract (``common/decode_host.py``); the fused tail's arguments are
+        placeholders that the kernel never touches."""
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+
+    @cute.jit
+    def _launch(
+        self,
         mQ: cute.Tensor,  # [b, s_q, h_q, d_qk] bf16
         mBias: cute.Tensor,  # [b | 1, h_q, d_qk] bf16
         mKV: cute.Tensor,  # [num_pages, page_size, 1, d_qk] bf16
@@ -94,6 +127,10 @@ class SparseMlaDecodeNarrowSm90:
         mO: cute.Tensor,  # split: [n_splits, b*s_q, h_q, d_v] f32; direct: [b, s_q, h_q, d_v] bf16
         mLse: cute.Tensor,
         mML: cute.Tensor,
+        mOF: cute.Tensor,  # fused: the merged [b, s_q, h_q, d_v] bf16
+        mLseF: cute.Tensor,  # fused: the merged [b, s_q, h_q] f32
+        mMLF: cute.Tensor,  # fused: the merged max_logits
+        mCnt: cute.Tensor,  # fused: [b*s_q] int32 arrival counters (zero between launches)
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -133,8 +170,8 @@ class SparseMlaDecodeNarrowSm90:
         topk = mIdx.shape[2]
         mIdx2 = cute.make_tensor(mIdx.iterator, cute.make_layout((n_tok, topk), stride=(topk, 1)))
         self.kernel(
-            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, scale_log2, flags, page_size,
-            tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
+            mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+            page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage,
         ).launch(
             grid=[n_tok * n_splits, 1, 1],
@@ -160,6 +197,10 @@ class SparseMlaDecodeNarrowSm90:
         mO: cute.Tensor,
         mLse: cute.Tensor,
         mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
@@ -202,10 +243,8 @@ class SparseMlaDecodeNarrowSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        topk = mIdx.shape[1]
-        topk_len = dp.topk_len_of(mTL, flags, b_idx, s_in, tl_stride_b, tl_stride_s, topk)
-        blk0, num_blocks, bound = dp.split_range(split, blocks_per_split, topk_len)
-        num_iters = (num_blocks + 1) // 2
+        blk0, num_iters, bound = dp.split_pairs(mTL, flags, b_idx, s_in, tl_stride_b, tl_stride_s, mIdx.shape[1],
+                                                split, blocks_per_split)
 
         sValid = storage.sValid.get_tensor(cute.make_layout(4))
         sK0_ptr = storage.sK0.data_ptr()
@@ -215,7 +254,7 @@ class SparseMlaDecodeNarrowSm90:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             gather = dp.PagedKvGather(
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
-                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch,
+                dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch, self.evict_first,
             )
             self.producer(gather, sK0_ptr, sK1_ptr, sValid, kb0, kb1, bar_valid0, bar_valid1, blk0, num_iters,
                           idx_in_wg, warp_idx % 4)
@@ -240,6 +279,11 @@ class SparseMlaDecodeNarrowSm90:
                 sP = storage.sP1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
                 self.consumer(mSink, mO, mLse, mML, scale_log2, flags, sValid, sQ, sK, sP, sRed, sFin, sState,
                               sK0_ptr, sK1_ptr, kb1, bar_valid1, split, token, num_iters, Int32(1), idx_in_wg)
+            if const_expr(self.fused):
+                last = dd.last_arrival(mCnt, token, n_splits, tidx, 256, dd.BAR_ARRIVE, dd.BAR_LAST)
+                if last:
+                    dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
+                                   flags & Int32(dp.F_MAX_LOGITS), token, Int32(0), self.h, self.d_v, tidx, 256)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -283,19 +327,6 @@ class SparseMlaDecodeNarrowSm90:
                     cute.arch.mbarrier_arrive(bar_valid1)
 
     # ------------------------------------------------------------------------------------------
-    def _mma_qk(self):
-        """S^T = K Q^T: 64 tokens x h heads; A = K, B = Q, both K-major in smem."""
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.h)
-        )
-
-    def _mma_pv(self):
-        """O^T += V^T P^T: 64 rows of d_v x h heads per m-tile; A = V^T (MN-major view of the KV
-        tile), B = P^T (K-major)."""
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.MN, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.h)
-        )
-
     @cute.jit
     def consumer(
         self,
@@ -327,8 +358,10 @@ class SparseMlaDecodeNarrowSm90:
         warp_in_wg = idx_in_wg // 32
         lane = idx_in_wg % 32
         lane_quad = lane % 4
-        mma_qk = self._mma_qk()
-        mma_pv = self._mma_pv()
+        # S^T = K Q^T (64 tokens x h heads; A = K, B = Q, both K-major) and O^T += V^T P^T (64 rows of
+        # d_v x h per m-tile; A = V^T, the MN-major view of the KV tile, B = P^T K-major)
+        mma_qk = dd.tiled_mma(B_TOPK, h, OperandMajorMode.K, OperandMajorMode.K)
+        mma_pv = dd.tiled_mma(B_TOPK, h, OperandMajorMode.MN, OperandMajorMode.K)
         thr_qk = mma_qk.get_slice(idx_in_wg)
         thr_pv = mma_pv.get_slice(idx_in_wg)
 
@@ -360,13 +393,8 @@ class SparseMlaDecodeNarrowSm90:
         for it in cutlass.range(num_iters, unroll=1):
             parity = it & 1
             kb.wait_ready(parity)
-            # fresh tiled MMAs per dynamic region (an ACCUMULATE field must not leak across regions)
-            mma_s = self._mma_qk()
-            cute.nvgpu.warpgroup.fence()
-            for k in cutlass.range_constexpr(self.n_k_tiles * 4):
-                mma_s.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(mma_s, acc_s, tSrK[None, None, k], tSrQ[None, None, k], acc_s)
-            cute.nvgpu.warpgroup.commit_group()
+            dd.issue_mma(acc_s, tSrK, tSrQ, 0, self.n_k_tiles * 4, True, B_TOPK, h, OperandMajorMode.K,
+                         OperandMajorMode.K)
             cute.nvgpu.warpgroup.wait_group(0)
 
             cute.arch.mbarrier_wait(bar_valid, parity)
@@ -412,12 +440,8 @@ class SparseMlaDecodeNarrowSm90:
             cute.copy(thr_cp, tPrP, tPsP)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_P + wg, number_of_threads=128)
-            mma_o = self._mma_pv()
-            cute.nvgpu.warpgroup.fence()
-            mma_o.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(B_TOPK // 16):
-                cute.gemm(mma_o, acc_o, tOrV[None, None, k], tOrP[None, None, k], acc_o)
-            cute.nvgpu.warpgroup.commit_group()
+            dd.issue_mma(acc_o, tOrV, tOrP, 0, B_TOPK // 16, False, B_TOPK, h, OperandMajorMode.MN,
+                         OperandMajorMode.K)
             cute.nvgpu.warpgroup.wait_group(0)
             kb.release()
 
@@ -483,7 +507,7 @@ class SparseMlaDecodeNarrowSm90:
         if lane < 4:
             for j in cutlass.range_constexpr(nc):
                 sFin[8 * (j // 2) + 2 * lane + j % 2, warp_in_wg] = rL[j]
-        cute.arch.barrier(barrier_id=BAR_FIN, number_of_threads=128)
+        cute.arch.barrier(barrier_id=BAR_SUMS, number_of_threads=128)
         # per head (warp 0, lanes 0..3 hold every column): 1/l, lse, max_logits
         inv_base = h * stride  # 1/l per head, after the staged rows
         if warp_in_wg == 0:
@@ -502,7 +526,7 @@ class SparseMlaDecodeNarrowSm90:
                         nonempty, cute.math.log(l) + rM[j] * dev.LN2, Float32(math.inf))))
                     if dp.flag(flags, dp.F_MAX_LOGITS):
                         dp.store_f32(mML, off, Float32(cutlass.select_(nonempty, rM[j] * dev.LN2, Float32(-math.inf))))
-        cute.arch.barrier(barrier_id=BAR_FIN, number_of_threads=128)
+        cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=128)
         base = dp.out_row_offset(split, n_tok, token, h, Int32(0), self.d_v) + Int64(4 * idx_in_wg)
         vec = cute.make_layout(4)
         rv = cute.make_rmem_tensor((4,), Float32)
@@ -516,3 +540,40 @@ class SparseMlaDecodeNarrowSm90:
             else:
                 rb.store(rv.load().to(BFloat16))
                 cute.autovec_copy(rb, cute.make_tensor((mO.iterator + off).align(8), vec))
+
+
+class SparseMlaDecodeNarrowSm90Fused(SparseMlaDecodeNarrowSm90):
+    """The split kernel with the combine folded in (one launch): the contract of
+    ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
+
+    def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)

@@ -1,0 +1,392 @@
+"""Device code shared by the sm90 decode kernels (``sm90/decode.py``, ``sm90/decode_narrow.py``),
+CuTe DSL.  Kernel files must not import each other, so what both need lives here:
+
+* :func:`last_arrival` / :func:`merge_block` -- the fused split combine ("the last block
+  combines", as flash-decoding's single-launch variant): every split CTA of a row (a decode token
+  and the heads one CTA holds) stores its float32 partial and lse, makes them visible at GPU
+  scope, and takes a ticket from the row's arrival counter; the CTA that draws the last ticket
+  resets the counter (so the plan's workspace is zero again for the next launch or graph replay)
+  and merges the row's parts in split order -- the order, hence the result, does not depend on
+  which CTA arrives last.
+* :func:`tiled_mma` / :func:`issue_mma` -- the wgmma issue loop both kernels use (sm_90a).
+* :class:`PairedBlockConsumer` / :func:`paired_producer_loop` -- the 64-head kernel's main loop:
+  the prefill forward's paired-block schedule (``sm90/fwd.py`` keeps its own copy: the forward's
+  owner may switch it to this one).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cute.nvgpu import warp, warpgroup
+from cutlass.cute.nvgpu.common import OperandMajorMode
+
+from . import device as dev
+from .combine import merge_item
+
+# Named barriers of the fused tail (ids no decode kernel uses otherwise; 256 consumer threads).
+BAR_ARRIVE = 8
+BAR_LAST = 9
+
+
+@dsl_user_op
+def barrier_or(pred: Int32, bar_id: int, n_threads: int, *, loc=None, ip=None) -> Int32:
+    """``bar.red.or.pred`` over ``n_threads`` threads at named barrier ``bar_id``: 1 in every
+    thread if any thread's ``pred`` is non-zero, else 0 (a barrier and a broadcast in one, no
+    shared memory)."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; "
+        f"barrier.red.or.pred q, {bar_id}, {n_threads}, p; selp.s32 $0, 1, 0, q; }}",
+        "=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@cute.jit
+def last_arrival(
+    mCnt: cute.Tensor,
+    row_id: Int32,
+    n_splits: Int32,
+    tid: Int32,
+    n_threads: cutlass.Constexpr,
+    bar_a: cutlass.Constexpr,
+    bar_b: cutlass.Constexpr,
+) -> Boolean:
+    """Called by the ``n_threads`` threads (``tid`` 0..n-1) that stored this CTA's part, after
+    their stores.  True in the CTA that arrives last at ``mCnt[row_id]`` (then the counter is 0
+    again and every part of the row is visible to the caller's plain loads).
+
+    Release: each storing thread fences at GPU scope, the CTA meets at ``bar_a``, thread 0's
+    acq_rel atomic publishes the CTA's arrival.  Acquire: the last arrival's atomic reads every
+    earlier one (each released its CTA's parts); thread 0 fences, the ``bar_b`` reduction
+    (:func:`barrier_or`) carries the verdict to the CTA, and every thread fences again before it
+    reads the parts (no stale L1 line survives an acquire fence).  (A shared-memory flag written
+    by thread 0 between two barriers drew 33 potential-RAW reports from racecheck in the narrow
+    kernel; the barrier reduction needs no shared memory.)"""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=bar_a, number_of_threads=n_threads)
+    last = Int32(0)
+    if tid == 0:
+        old = cute.arch.atomic_add(mCnt.iterator + row_id, Int32(1), sem="acq_rel", scope="gpu")
+        is_last = old == n_splits - 1
+        if is_last:
+            mCnt[row_id] = Int32(0)
+        cute.arch.fence_acq_rel_gpu()
+        last = Int32(cutlass.select_(is_last, Int32(1), Int32(0)))
+    any_last = barrier_or(last, bar_b, n_threads) != Int32(0)
+    if any_last:
+        cute.arch.fence_acq_rel_gpu()
+    return any_last
+
+
+@cute.jit
+def merge_block(
+    mOp: cute.Tensor,
+    mLp: cute.Tensor,
+    mMLp: cute.Tensor,
+    mOut: cute.Tensor,
+    mLse: cute.Tensor,
+    mML: cute.Tensor,
+    mSink: cute.Tensor,
+    use_sink: Int32,
+    use_ml: Int32,
+    token: Int32,
+    head0: Int32,
+    n_rows: cutlass.Constexpr,
+    d_v: cutlass.Constexpr,
+    tid: Int32,
+    n_threads: cutlass.Constexpr,
+):
+    """Merge the parts of heads ``head0 .. head0 + n_rows - 1`` of decode token ``token``.
+
+    ``mOp [n_splits, T, h, d_v]`` float32 parts, ``mLp`` / ``mMLp [n_splits, T, h]`` their lse /
+    max_logits; ``mOut [b, s_q, h, d_v]`` bf16, ``mLse`` / ``mML [b, s_q, h]`` float32 -- all
+    contiguous.  One warp per (head, 128-column group), the combine kernel's
+    :func:`~mla_kernels.common.combine.merge_item`; the sink (``use_sink``) is applied here."""
+    n_parts = mLp.shape[0]
+    n_tok = mLp.shape[1]
+    h = mLp.shape[2]
+    P = n_tok * h
+    lay2 = cute.make_layout((n_parts, P), stride=(P, 1))
+    mL2 = cute.make_tensor(mLp.iterator, lay2)
+    mML2 = cute.make_tensor(mMLp.iterator, lay2)
+    mO3 = cute.make_tensor(mOp.iterator, cute.make_layout((n_parts, P, d_v), stride=(P * d_v, d_v, 1)))
+    mOut2 = cute.make_tensor(mOut.iterator, cute.make_layout((P, d_v), stride=(d_v, 1)))
+    mLse1 = cute.make_tensor(mLse.iterator, cute.make_layout(P))
+    mML1 = cute.make_tensor(mML.iterator, cute.make_layout(P))
+    n_groups = d_v // 128  # float32 parts: 32 lanes x 4 columns per group
+    n_warps = n_threads // 32
+    per_warp = (n_rows * n_groups) // n_warps
+    assert per_warp * n_warps == n_rows * n_groups
+    warp = tid // 32
+    lane = tid % 32
+    for k in cutlass.range(per_warp, unroll=1):
+        item = warp + k * n_warps
+        row = token * h + head0 + item // n_groups
+        merge_item(mO3, mL2, mSink, mOut2, mLse1, mML2, mML1, h, use_sink, use_ml, row, item % n_groups, lane, d_v,
+                   cutlass.Float32, cutlass.BFloat16, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma issue helpers (both decode kernels) and the paired-block schedule (64-head kernel)
+# ---------------------------------------------------------------------------------------------
+
+
+def tiled_mma(m: int, n: int, a_major, b_major, rs: bool = False):
+    """A one-warpgroup bf16 -> float32 tiled wgmma of ``m x n``; A from registers when ``rs``."""
+    src = warpgroup.OperandSource.RMEM if rs else warpgroup.OperandSource.SMEM
+    return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, a_major, b_major, Float32, (1, 1, 1), (m, n), src)
+
+
+@cute.jit
+def issue_mma(
+    acc: cute.Tensor,
+    tA: cute.Tensor,
+    tB: cute.Tensor,
+    k0: cutlass.Constexpr,
+    k1: cutlass.Constexpr,
+    clear: cutlass.Constexpr,
+    m: cutlass.Constexpr,
+    n: cutlass.Constexpr,
+    a_major: cutlass.Constexpr,
+    b_major: cutlass.Constexpr,
+    rs: cutlass.Constexpr = False,
+):
+    """Issue and commit ``acc (+)= sum_{k0 <= k < k1} A[:, :, k] B[:, :, k]`` (the first product
+    overwrites ``acc`` when ``clear``).  The tiled MMA is made here, once per call: its ACCUMULATE
+    field must not leak across dynamic regions."""
+    mma = tiled_mma(m, n, a_major, b_major, rs)
+    cute.nvgpu.warpgroup.fence()
+    for k in cutlass.range_constexpr(k0, k1):
+        mma.set(warpgroup.Field.ACCUMULATE, not (clear and k == k0))
+        cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k], acc)
+    cute.nvgpu.warpgroup.commit_group()
+
+
+B_H = 64  # heads per CTA of the paired schedule (one wgmma M tile)
+B_TOPK = 64  # slots per block
+
+
+class PairedBlockConsumer:
+    """The two consumer warpgroups of the 64-head decode CTA: the prefill forward's paired-block
+    schedule (``sm90/fwd.py``, whose copy stays there): blocks in pairs, WG0 owns output columns
+    ``0 .. d_v/2``, WG1 the rest; WG0 finds block 0's row max, WG1 block 1's final max (exchanged
+    through ``sM0`` / ``sM1`` with :class:`~mla_kernels.common.device.PhaseSignal`), each WG's P
+    goes to the other through smem (``sS0`` / ``sS1``, named barriers ``bar_s0`` / ``bar_s1``).
+
+    The constructor (plain Python, no dynamic control flow) makes the fragments and views;
+    :meth:`loop` runs the blocks; ``acc_o``, ``rM`` (running max, scaled log2) and ``rL``
+    (partial row sums) hold the result for the caller's epilogue."""
+
+    def __init__(self, sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, d_qk: int, d_v: int):
+        self.d_v = d_v
+        self.n_k_tiles = d_qk // 64
+        self.n_left = (d_v // 2) // 64
+        mma_qk = tiled_mma(B_H, B_TOPK, OperandMajorMode.K, OperandMajorMode.K)
+        mma_rs = tiled_mma(B_H, d_v // 2, OperandMajorMode.K, OperandMajorMode.MN, True)
+        mma_ss = tiled_mma(B_H, d_v // 2, OperandMajorMode.K, OperandMajorMode.MN, False)
+        self.mma_rs = mma_rs
+        thr_qk = mma_qk.get_slice(idx_in_wg)
+        thr_rs = mma_rs.get_slice(idx_in_wg)
+        thr_ss = mma_ss.get_slice(idx_in_wg)
+        self.lane_quad = idx_in_wg % 4
+        self.row0 = dev.fragment_row(idx_in_wg, 0)
+        self.row1 = dev.fragment_row(idx_in_wg, 1)
+        self.tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        self.tSrK0 = thr_qk.make_fragment_B(thr_qk.partition_B(sK0))
+        self.tSrK1 = thr_qk.make_fragment_B(thr_qk.partition_B(sK1))
+        self.acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_H, B_TOPK)))
+        self.acc_o = thr_rs.make_fragment_C(thr_rs.partition_shape_C((B_H, d_v // 2)))
+        self.acc_o.fill(0.0)
+        self.tOrP = thr_rs.make_fragment_A(thr_rs.partition_shape_A((B_H, B_TOPK)))
+        self.tOrP_acc = cute.make_tensor(self.tOrP.iterator, self.acc_s.layout)  # P in the accumulator's order
+        # V^T views (d_v/2 x 64 tokens, MN-major) of this WG's half of each KV buffer
+        vt_layout = cute.select(sK0.layout, mode=[1, 0])
+        sVt0 = cute.local_tile(cute.make_tensor(sK0.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
+        sVt1 = cute.local_tile(cute.make_tensor(sK1.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
+        self.tOrV0_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt0))
+        self.tOrV1_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt1))
+        self.tOrV0_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt0))
+        self.tOrV1_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt1))
+        self.tOrS0 = thr_ss.make_fragment_A(thr_ss.partition_A(sS0))
+        self.tOrS1 = thr_ss.make_fragment_A(thr_ss.partition_A(sS1))
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        self.thr_st_p = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(idx_in_wg)
+        self.tPsS0 = self.thr_st_p.partition_D(sS0)
+        self.tPsS1 = self.thr_st_p.partition_D(sS1)
+        self.tPrP = self.thr_st_p.retile(self.tOrP_acc)
+        self.rM = cute.make_rmem_tensor((2,), Float32)
+        self.rL = cute.make_rmem_tensor((2,), Float32)
+        self.rM.fill(dev.MAX_INIT)
+        self.rL.fill(0.0)
+
+    @cute.jit
+    def qk(self, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr, clear: cutlass.Constexpr):
+        """Issue S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T."""
+        issue_mma(self.acc_s, self.tSrQ, tSrK, 4 * t0, 4 * t1, clear, B_H, B_TOPK, OperandMajorMode.K,
+                  OperandMajorMode.K)
+
+    @cute.jit
+    def pv(self, rs: cutlass.Constexpr, tA, tB):
+        """Issue O += P V over the 64 tokens of a block (P from registers when ``rs``)."""
+        issue_mma(self.acc_o, tA, tB, 0, B_TOPK // 16, False, B_H, self.d_v // 2, OperandMajorMode.K,
+                  OperandMajorMode.MN, rs)
+
+    @cute.jit
+    def loop(
+        self,
+        sValid: cute.Tensor,
+        sM0: cute.Tensor,
+        sM1: cute.Tensor,
+        k0l: cutlass.Constexpr,
+        k0r: cutlass.Constexpr,
+        k1l: cutlass.Constexpr,
+        k1r: cutlass.Constexpr,
+        bar_valid,
+        max0_ready: cutlass.Constexpr,
+        max1_ready: cutlass.Constexpr,
+        bar_s0: cutlass.Constexpr,
+        bar_s1: cutlass.Constexpr,
+        num_iters: Int32,
+        wg: Int32,
+        scale_log2: Float32,
+    ):
+        """``num_iters`` block pairs: QK^T, masks, online softmax, PV."""
+        acc_s, acc_o, rM, rL = self.acc_s, self.acc_o, self.rM, self.rL
+        row0, row1, lane_quad = self.row0, self.row1, self.lane_quad
+        n_left, n_k = self.n_left, self.n_k_tiles
+        if wg == 0:
+            if num_iters > 0:
+                k0l.wait_ready(0)
+                self.qk(self.tSrK0, 0, n_left, True)
+                k0r.wait_ready(0)
+                self.qk(self.tSrK0, n_left, n_k, False)
+                cute.nvgpu.warpgroup.wait_group(0)
+            for it in cutlass.range(num_iters, unroll=1):
+                parity = it & 1
+                cute.arch.mbarrier_wait(bar_valid, parity)
+                dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
+                # online softmax of block 0 against WG0's running max; publish the max
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
+                if lane_quad == 0:
+                    sM0[row0] = rM[0]
+                    sM0[row1] = rM[1]
+                max0_ready.arrive()
+                # O_left += P0 V0_left (P0 from registers)
+                self.tOrP_acc.store(acc_s.load().to(BFloat16))
+                self.pv(True, self.tOrP, self.tOrV0_rs)
+                cute.nvgpu.warpgroup.wait_group(0)
+                k0l.release()
+                # the final max from WG1: rescale P0, hand it to WG1 through smem
+                max1_ready.wait(parity)
+                m0 = sM1[row0]
+                m1 = sM1[row1]
+                sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
+                sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
+                rM[0] = m0
+                rM[1] = m1
+                dev.scale_rows(acc_s, sf0, sf1)
+                self.tOrP_acc.store(acc_s.load().to(BFloat16))
+                cute.copy(self.thr_st_p, self.tPrP, self.tPsS0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=bar_s0, number_of_threads=256)
+                # O_left += P1 V1_left (P1 from WG1 through smem)
+                cute.arch.barrier(barrier_id=bar_s1, number_of_threads=256)
+                dev.scale_rows(acc_o, sf0, sf1)
+                rL[0] = rL[0] * sf0
+                rL[1] = rL[1] * sf1
+                self.pv(False, self.tOrS1, self.tOrV1_ss)
+                if it + 1 < num_iters:
+                    nparity = parity ^ 1
+                    k0l.wait_ready(nparity)
+                    self.qk(self.tSrK0, 0, n_left, True)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    k1l.release()
+                    k0r.wait_ready(nparity)
+                    self.qk(self.tSrK0, n_left, n_k, False)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    k1l.release()
+        else:
+            for it in cutlass.range(num_iters, unroll=1):
+                parity = it & 1
+                k1r.wait_ready(parity)
+                self.qk(self.tSrK1, n_left, n_k, True)
+                k1l.wait_ready(parity)
+                self.qk(self.tSrK1, 0, n_left, False)
+                cute.nvgpu.warpgroup.wait_group(0)
+                cute.arch.mbarrier_wait(bar_valid, parity)
+                dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
+                # online softmax of block 1 against max(WG0's max, own); publish the final max
+                max0_ready.wait(parity)
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
+                if lane_quad == 0:
+                    sM1[row0] = rM[0]
+                    sM1[row1] = rM[1]
+                max1_ready.arrive()
+                # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
+                self.tOrP_acc.store(acc_s.load().to(BFloat16))
+                self.pv(True, self.tOrP, self.tOrV1_rs)
+                cute.copy(self.thr_st_p, self.tPrP, self.tPsS1)
+                cute.arch.barrier(barrier_id=bar_s0, number_of_threads=256)
+                self.pv(False, self.tOrS0, self.tOrV0_ss)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=bar_s1, number_of_threads=256)
+                cute.nvgpu.warpgroup.wait_group(1)
+                k1r.release()
+                cute.nvgpu.warpgroup.wait_group(0)
+                k0r.release()
+
+
+@cute.jit
+def paired_producer_loop(
+    gather,
+    sK0_addr: Int32,
+    sK1_addr: Int32,
+    sValid: cute.Tensor,
+    k0l: cutlass.Constexpr,
+    k0r: cutlass.Constexpr,
+    k1l: cutlass.Constexpr,
+    k1r: cutlass.Constexpr,
+    bar_valid,
+    blk0: Int32,
+    num_iters: Int32,
+    ptid: Int32,
+    warp_in_wg: Int32,
+    n_left: cutlass.Constexpr,
+    n_k_tiles: cutlass.Constexpr,
+):
+    """The producer of :class:`PairedBlockConsumer`: block ``blk0 + 2 it`` -> buffer 0, the next
+    -> buffer 1, in the halves' order the consumers free them (0L, 1R, 0R, 1L); then the four
+    validity words (one per warp: buffer ``w // 2``, tokens ``32 (w % 2) ..``) and one arrival
+    each on ``bar_valid``."""
+    for it in cutlass.range(num_iters, unroll=1):
+        parity = it & 1
+        blk = blk0 + 2 * it
+        gather.load_indices(blk, 0)
+        gather.load_indices(blk + 1, 1)
+        k0l.wait_free(parity)
+        gather.copy_tiles(sK0_addr, 0, 0, n_left)
+        k0l.commit_cp_async()
+        k1r.wait_free(parity)
+        gather.copy_tiles(sK1_addr, 1, n_left, n_k_tiles)
+        k1r.commit_cp_async()
+        k0r.wait_free(parity)
+        gather.copy_tiles(sK0_addr, 0, n_left, n_k_tiles)
+        k0r.commit_cp_async()
+        k1l.wait_free(parity)
+        gather.copy_tiles(sK1_addr, 1, 0, n_left)
+        k1l.commit_cp_async()
+        bits = gather.valid_word(blk + warp_in_wg // 2)
+        if ptid % 32 == 0:
+            sValid[warp_in_wg] = bits
+            cute.arch.mbarrier_arrive(bar_valid)
