@@ -367,6 +367,46 @@ def test_loss_backward_dk_bulk(d, monkeypatch):
         assert rel_l2(a.float(), b) <= 1e-2, f"{name} rel L2 {rel_l2(a.float(), b):.3g}"
 
 
+def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
+    """Every fixed-point dk mode adds the same integers (the per-slot rows are the same float32
+    values, rounded the same way), so their dk agree bitwise -- and with the float32 reference."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(150, 700, 300, 128, seed=6, tl=True)
+    g_rows = torch.randn(150, generator=torch.Generator().manual_seed(3)).cuda()
+    got = {}
+    for mode in ("fixed_bulk2", "fixed_bulk", "fixed_red", "slots"):
+        monkeypatch.setenv(indexer_host.ENV_DET, mode)
+        got[mode] = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
+    torch.cuda.synchronize()
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, 128 ** -0.5, lens)
+    wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, 128 ** -0.5, lens)
+    for mode, (dq, dk, dw) in got.items():
+        for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
+            assert rel_l2(a.float(), b) <= 1e-2, f"{mode}: {name} rel L2 {rel_l2(a.float(), b):.3g}"
+    for mode in ("fixed_bulk", "fixed_red"):
+        assert torch.equal(got[mode][1], got["fixed_bulk2"][1]), f"{mode} dk differs from fixed_bulk2's"
+        assert torch.equal(got[mode][0], got["fixed_bulk2"][0]) and torch.equal(got[mode][2], got["fixed_bulk2"][2])
+
+
+@pytest.mark.parametrize("mag", [2.0 ** -40, 2.0 ** 40])
+def test_loss_backward_fixed_point_dk_far_from_one(mag, monkeypatch):
+    """The fixed-point scale follows the gradients' magnitude (tiny or huge weights): dk keeps
+    its relative accuracy and nothing overflows."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(120, 900, 256, 64, seed=8, tl=False)
+    w = w * mag
+    g_rows = torch.rand(120, generator=torch.Generator().manual_seed(4)).cuda() + 0.5
+    dq, dk, dw = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
+    torch.cuda.synchronize()
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.double(), k.double(), w.double(), idx, tgt, 64 ** -0.5, lens)
+    _, wk, _ = ref.indexer_loss_bwd_ref(q.double(), k.double(), w.double(), idx, tgt, g_rows.double(), lse, inv,
+                                        64 ** -0.5, lens)
+    assert torch.isfinite(dk).all() and dk.abs().sum() > 0
+    assert rel_l2(dk.double(), wk) <= 1e-2, f"dk rel L2 {rel_l2(dk.double(), wk):.3g}"
+
+
 def test_loss_headline_shape_fwd_bwd(monkeypatch):
     """S = 8192 causal with the kernel's own top-k and the attention-like target."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")

@@ -10,10 +10,18 @@ launches.
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
   ``topk`` padded to a multiple of 64 with -1 slots (target 0); ``dk`` accumulated in a float32
-  ``[s_kv, d]`` workspace (16-byte float atomics), or with ``deterministic`` written per slot
-  into a workspace of at most :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave
-  of queries and summed per key in a fixed order (stable sort + segment sum, as the attention
-  backward's deterministic mode).
+  ``[s_kv, d]`` workspace (16-byte float atomics).  With ``deterministic`` (default
+  ``fixed_bulk2``, :data:`ENV_DET`): accumulated in fixed point, ``round(x * 2^e)`` added as
+  64-bit integers into an int64 ``[s_kv, d]`` workspace -- integer addition is associative, so
+  the bits do not depend on the order the additions land in -- and converted back
+  (``/ 2^e``, float64, then k's dtype).  ``2^e`` (:func:`fixed_point_scale`, computed on the device,
+  no synchronisation) is the largest power of two with ``4 B 2^e <= 2^62`` for a bound ``B`` on
+  every partial sum of every dk element: ``|dK_slot[c]| <= |g_t| sum_j |w_eff[t, j]| max|q_t|``
+  (``|pi - p| <= 1``), summed over the queries.  The absolute resolution is ``2^-e``, ~``B 2^-60``;
+  non-finite gradients (``g``, ``w``, ``q`` with inf/NaN) give a meaningless dk in this mode.
+  ``slots`` (the first deterministic mode): each slot's row written into a workspace of at most
+  :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave of queries and summed per key
+  in a fixed order (stable sort + segment sum, as the attention backward's deterministic mode).
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ WORKSPACE_BYTES = 512 << 20
 #: How the loss backward adds dk: ``red`` (16-byte float atomics from registers) or ``bulk``
 #: (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
 ENV_DK = "MLA_KERNELS_INDEXER_DK"
+#: How the deterministic loss backward adds dk: ``fixed_bulk2`` (default), ``fixed_bulk``,
+#: ``fixed_red`` (fixed-point int64 sums, see the module docstring) or ``slots`` (per-slot rows,
+#: sort + segment sum).  ``MLA_KERNELS_INDEXER_DK=none`` (profiling only) skips dk altogether.
+ENV_DET = "MLA_KERNELS_INDEXER_DET"
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
 #: step, the first version's behaviour; default 4).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
@@ -204,6 +216,33 @@ def run_loss_fwd(p):
     return loss, lse, inv
 
 
+def dk_mode(deterministic: bool) -> str:
+    """The loss backward's dk mode for this call (environment: :data:`ENV_DK`, :data:`ENV_DET`)."""
+    if deterministic:
+        mode = os.environ.get(ENV_DET, "fixed_bulk2").strip().lower() or "fixed_bulk2"
+        if mode not in ("fixed_bulk2", "fixed_bulk", "fixed_red", "slots"):
+            raise ValueError(f"{ENV_DET}={mode!r}: expected fixed_bulk2, fixed_bulk, fixed_red or slots")
+        return mode
+    mode = os.environ.get(ENV_DK, "red").strip().lower() or "red"
+    if mode not in ("red", "bulk", "none"):
+        raise ValueError(f"{ENV_DK}={mode!r}: expected red, bulk or none (profiling: no dk)")
+    return mode
+
+
+def fixed_point_scale(q: torch.Tensor, w_eff: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``2^e`` (float32 ``[1]``, on the device, no synchronisation) for the fixed-point dk: the
+    largest power of two with ``4 B 2^e <= 2^62``, ``B = sum_t |g_t| sum_j |w_eff[t, j]| max|q_t|``
+    bounding every partial sum of every dk element (see the module docstring); clamped to
+    ``2^[-126, 126]``."""
+    s_q = q.shape[0]
+    lo, hi = torch.aminmax(q.reshape(s_q, -1), dim=1)
+    qmax = torch.maximum(lo.float().abs(), hi.float().abs())
+    bound = (g.abs() * w_eff.abs().sum(1) * qmax).sum() * 4.0
+    e = torch.floor(62.0 - torch.log2(bound.clamp_min(2.0 ** -120)))
+    e = torch.nan_to_num(e, nan=-126.0, posinf=126.0, neginf=-126.0).clamp(-126.0, 126.0)
+    return torch.exp2(e).reshape(1).float().contiguous()
+
+
 def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     from ..common.bwd_host import DET_WORKSPACE_BYTES, reduce_slot_rows
     from ..reference import valid_mask
@@ -211,20 +250,24 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
 
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     has_tl, arch = p.topk_length is not None, _arch(p)
-    mode = os.environ.get(ENV_DK, "red").strip().lower() or "red"
-    if mode not in ("red", "bulk"):
-        raise ValueError(f"{ENV_DK}={mode!r}: expected red or bulk")
-    bulk = mode == "bulk" and not deterministic
-    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, deterministic, bulk, arch),
-                lambda: compile_loss_bwd(p.d, has_tl, deterministic, arch, dk_bulk=bulk))
+    mode = dk_mode(deterministic)
+    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, mode, arch),
+                lambda: compile_loss_bwd(p.d, has_tl, deterministic, arch, dk_mode=mode))
     dev = p.device
     g = grad_rows.float().contiguous()
     lse, inv = lse.float().contiguous(), inv.float().contiguous()
     dq = host.alloc((p.s_q, p.h, p.d), torch.bfloat16, dev)
     dw = host.alloc((p.s_q, p.h), torch.float32, dev)
+    one = host.dummy(torch.float32, dev, (1,))
+    if mode.startswith("fixed"):
+        scale = fixed_point_scale(p.q, w_eff, g)
+        acc = torch.zeros(p.s_kv, p.d, dtype=torch.int64, device=dev)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, acc, scale, p.sm_scale)
+        dk = acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
+        return dq, dk, dw.to(p.weights.dtype)
     dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.float32, device=dev)
     if not deterministic:
-        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, p.sm_scale)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, p.sm_scale)
     else:
         per_q = topk_p * p.d * 4
         wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_q))
@@ -234,7 +277,7 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
             c1 = min(p.s_q, c0 + wave)
             tl_c = tl[c0:c1] if p.topk_length is not None else tl
             fn(p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
-               dq[c0:c1], dw[c0:c1], ws, p.sm_scale)
+               dq[c0:c1], dw[c0:c1], ws, one, p.sm_scale)
             reduce_slot_rows(dk_acc, ws, idx[c0:c1], valid[c0:c1], 1)
     dk = dk_acc.to(p.k.dtype).reshape(p.k_shape)
     return dq, dk, dw.to(p.weights.dtype)
