@@ -376,7 +376,7 @@ def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
     q, k, w, idx, tgt, lens = loss_case(150, 700, 300, 128, seed=6, tl=True)
     g_rows = torch.randn(150, generator=torch.Generator().manual_seed(3)).cuda()
     got = {}
-    for mode in ("fixed_bulk2", "fixed_bulk", "fixed_red", "slots"):
+    for mode in indexer_host.DET_MODES:
         monkeypatch.setenv(indexer_host.ENV_DET, mode)
         got[mode] = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
     torch.cuda.synchronize()
@@ -385,12 +385,13 @@ def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
     for mode, (dq, dk, dw) in got.items():
         for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
             assert rel_l2(a.float(), b) <= 1e-2, f"{mode}: {name} rel L2 {rel_l2(a.float(), b):.3g}"
-    for mode in ("fixed_bulk", "fixed_red"):
-        assert torch.equal(got[mode][1], got["fixed_bulk2"][1]), f"{mode} dk differs from fixed_bulk2's"
-        assert torch.equal(got[mode][0], got["fixed_bulk2"][0]) and torch.equal(got[mode][2], got["fixed_bulk2"][2])
+    for mode in indexer_host.DET_MODES:
+        if mode.startswith("fixed"):
+            assert torch.equal(got[mode][1], got["fixed_bulk"][1]), f"{mode} dk differs from fixed_bulk's"
+            assert torch.equal(got[mode][0], got["fixed_bulk"][0]) and torch.equal(got[mode][2], got["fixed_bulk"][2])
 
 
-@pytest.mark.parametrize("mag", [2.0 ** -40, 2.0 ** 40])
+@pytest.mark.parametrize("mag", [2.0 ** -30, 2.0 ** 24])
 def test_loss_backward_fixed_point_dk_far_from_one(mag, monkeypatch):
     """The fixed-point scale follows the gradients' magnitude (tiny or huge weights): dk keeps
     its relative accuracy and nothing overflows."""

@@ -42,7 +42,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
                          "loss_det_modes (every deterministic dk mode), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
-                         "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone)")
+                         "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
+                         "registers or, _wsmem, read from smem per key tile)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -228,12 +229,12 @@ def rows(args):
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
             # (deterministic, dk mode): MLA_KERNELS_INDEXER_DK (red, bulk, none) or
-            # MLA_KERNELS_INDEXER_DET (fixed_bulk2 = the default, fixed_bulk, fixed_red, slots)
+            # MLA_KERNELS_INDEXER_DET ("" = the default fixed_bulk, or one of the other modes)
             variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "")] if "loss_det" in mine else [])
             variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
             variants += [(False, "none")] if ("loss_nodk" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
-                variants += [(True, m) for m in ("fixed_bulk", "fixed_red", "slots")]
+                variants += [(True, m) for m in ("fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red", "slots")]
             for det, dk in variants:
                 tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = dk
@@ -290,8 +291,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        for prof in ("", "nostore", "mma"):
-            _, fn = compile_score(fp8, H, D, arch, profile=prof)
+        for prof, w_regs in (("", True), ("nostore", True), ("mma", True), ("", False), ("nostore", False)):
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs)
 
             def f(i, fn=fn):
                 q2, k, w_eff, ks = ins[i]
@@ -299,7 +300,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
                 for q0 in range(0, S, rows):
                     fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
-            _row(out, f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}", "ours", S, TOPK, med, ts, fl_scores)
+            tag = f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
+            _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 
 

@@ -121,6 +121,27 @@ def weighted_relu_rows(acc: cute.Tensor, sW: cute.Tensor, w_off: Int32, col0: in
     return s0, s1
 
 
+def load_weight_cols(rW: cute.Tensor, sW: cute.Tensor, w_off: Int32, n_cols: int, lane_quad: Int32) -> None:
+    """``rW[2 g + v] = sW[w_off + 8 g + 2 lane_quad + v]``: this thread's columns of an
+    ``n_cols``-column wgmma accumulator fragment, for :func:`weighted_relu_rows_reg`."""
+    for g in range(n_cols // 8):
+        for v0 in range(2):
+            rW[2 * g + v0] = sW[w_off + 8 * g + 2 * lane_quad + v0]
+
+
+def weighted_relu_rows_reg(acc: cute.Tensor, rW: cute.Tensor, col0: int, n_cols: int):
+    """:func:`weighted_relu_rows` with the weights already in registers (``rW`` from
+    :func:`load_weight_cols`): no shared-memory loads per tile."""
+    s0 = Float32(0.0)
+    s1 = Float32(0.0)
+    for g in range(col0 // 8, (col0 + n_cols) // 8):
+        for v0 in range(2):
+            w = rW[2 * g + v0]
+            s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
+            s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
+    return s0, s1
+
+
 def warp_inclusive_sum(x: Int32, lane: Int32) -> Int32:
     """Inclusive prefix sum of ``x`` over the lanes of a warp (5 shuffles)."""
     for off in (1, 2, 4, 8, 16):

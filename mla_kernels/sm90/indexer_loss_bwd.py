@@ -17,10 +17,11 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
    modes: ``fixed_*`` add ``round(dK * 2^e)`` as 64-bit integers into an int64 ``[s_kv, d]``
    workspace (integer addition is associative: the sum is the same whatever order the additions
    arrive in; ``2^e`` comes from the host's bound on every partial sum, see ``indexer_host``) --
-   ``fixed_bulk`` stages 32-column pieces in smem and adds one 256-byte row per
-   ``cp.reduce.async.bulk .add.u64``, ``fixed_bulk2`` 16-column pieces in two alternating buffers
-   (the wait for a piece's smem read overlaps the next piece), ``fixed_red`` 8-byte
-   ``red.global.add.u64`` from registers --; ``slots`` stores each slot's row to the query's own
+   ``fixed_bulk`` (the default) stages 32-column pieces in smem and adds one 256-byte row per
+   ``cp.reduce.async.bulk .add.u64``; ``fixed_bulk2`` 16-column pieces in two alternating
+   buffers (the wait for a piece's smem read overlaps the next piece), ``fixed_bulk64`` whole
+   64-column chunks, ``fixed_bulk32x2`` 32-column pieces in two buffers (these two with 3 key
+   stages instead of 4, for smem); ``fixed_red`` 8-byte ``red.global.add.u64`` from registers --; ``slots`` stores each slot's row to the query's own
    workspace rows (the host sums them in a fixed order: sort + segment sum).  ``none`` (profiling
    only: dk is not formed) measures what the dk additions cost;
 4. ``dS^T`` through shared memory (stmatrix) for ``dq_t += dS K_sel`` (wgmma SS, both operands
@@ -52,10 +53,11 @@ BAR_DK = 3  # fixed_bulk*: a staging buffer's previous bulk read is done
 BAR_DK2 = 4  # fixed_bulk*: the staged piece is written
 DK_PITCH = 68  # floats per staged dK row (bulk mode): 16-byte aligned, rows 4 banks apart
 #: dk modes: how the per-slot dK rows are added (see the module docstring)
-DK_MODES = ("red", "bulk", "none", "slots", "fixed_bulk", "fixed_bulk2", "fixed_red")
-DETERMINISTIC_MODES = ("slots", "fixed_bulk", "fixed_bulk2", "fixed_red")
-#: fixed-point staging: (columns per piece, buffers)
-_FIXED_STAGING = {"fixed_bulk": (32, 1), "fixed_bulk2": (16, 2)}
+DK_MODES = ("red", "bulk", "none", "slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2",
+            "fixed_red")
+DETERMINISTIC_MODES = ("slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red")
+#: fixed-point staging: (columns per piece, buffers); staging over 18 KB leaves 3 key stages
+_FIXED_STAGING = {"fixed_bulk": (32, 1), "fixed_bulk2": (16, 2), "fixed_bulk64": (64, 1), "fixed_bulk32x2": (32, 2)}
 K_MAJ = OperandMajorMode.K
 MN_MAJ = OperandMajorMode.MN
 
@@ -77,6 +79,8 @@ class IndexerLossBwdSm90:
         self.piece, self.nbuf = _FIXED_STAGING.get(dk_mode, (32, 1))
         self.fixed_bulk = dk_mode in _FIXED_STAGING
         self.stages = 4  # two CTAs per SM (registers): deep prefetch of the gathered rows
+        if self.fixed_bulk and self.nbuf * B_TOPK * (self.piece + 2) * 8 > 18 * 1024:
+            self.stages = 3  # two CTAs per SM still fit
         self.smem_bytes = 0
 
     def _mma(self, a_major, b_major, n: int, rs: bool = False):
@@ -400,10 +404,10 @@ class IndexerLossBwdSm90:
 
 
 def dk_mode_of(deterministic: bool, dk_bulk: bool = False, dk_mode=None) -> str:
-    """The dk mode: ``dk_mode`` if given, else ``fixed_bulk2`` (deterministic), ``bulk`` or ``red``."""
+    """The dk mode: ``dk_mode`` if given, else ``fixed_bulk`` (deterministic), ``bulk`` or ``red``."""
     if dk_mode is not None:
         return dk_mode
-    return "fixed_bulk2" if deterministic else ("bulk" if dk_bulk else "red")
+    return "fixed_bulk" if deterministic else ("bulk" if dk_bulk else "red")
 
 
 def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", dk_bulk: bool = False,
