@@ -55,10 +55,10 @@ def test_loss_kernels(report):
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 16 and sass.get("HGMMA.64x128x16.F32.BF16", 0) == 4
     assert sass.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 16
     assert base.get("STSM", 0) > 0
-    # deterministic (fixed_bulk): dk rounded to int64 (64 per thread per block) and added by
-    # 32-column bulk integer reductions (2 chunks x 2 pieces), no float atomics
+    # deterministic (fixed_bulk64): dk rounded to int64 (64 per thread per block) and added by
+    # one 64-column bulk integer reduction per chunk (2 chunks), no float atomics
     sass, base = _common(report["sm90_indexer_loss_bwd_d128_det_topklen"])
-    assert sass.get("F2I.S64", 0) == 64 and sass.get("UBLKRED.G.S.ADD.U64", 0) == 4
+    assert sass.get("F2I.S64", 0) == 64 and sass.get("UBLKRED.G.S.ADD.U64", 0) == 2
     assert sass.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 0
     assert report["sm90_indexer_loss_bwd_d128_det_topklen"]["smem_bytes"] <= 113 * 1024  # two CTAs per SM
 

@@ -393,19 +393,25 @@ def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
 
 @pytest.mark.parametrize("mag", [2.0 ** -30, 2.0 ** 24])
 def test_loss_backward_fixed_point_dk_far_from_one(mag, monkeypatch):
-    """The fixed-point scale follows the gradients' magnitude (tiny or huge weights): dk keeps
-    its relative accuracy and nothing overflows."""
+    """The fixed-point scale follows the gradients' magnitude (tiny or huge weights): the
+    deterministic dk equals the float-atomic one (same per-slot rows, summed another way) to
+    bf16 rounding, nothing overflows or flushes to zero.  (Against the float64 reference only
+    at the small magnitude: with logits ~2^24 the softmax is so peaked that float32 logits alone
+    move pi by percents.)"""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     q, k, w, idx, tgt, lens = loss_case(120, 900, 256, 64, seed=8, tl=False)
     w = w * mag
     g_rows = torch.rand(120, generator=torch.Generator().manual_seed(4)).cuda() + 0.5
-    dq, dk, dw = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
+    _, dk, _ = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
+    _, dk_atomic, _ = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
     torch.cuda.synchronize()
-    _, lse, inv = ref.indexer_loss_fwd_ref(q.double(), k.double(), w.double(), idx, tgt, 64 ** -0.5, lens)
-    _, wk, _ = ref.indexer_loss_bwd_ref(q.double(), k.double(), w.double(), idx, tgt, g_rows.double(), lse, inv,
-                                        64 ** -0.5, lens)
     assert torch.isfinite(dk).all() and dk.abs().sum() > 0
-    assert rel_l2(dk.double(), wk) <= 1e-2, f"dk rel L2 {rel_l2(dk.double(), wk):.3g}"
+    assert rel_l2(dk.float(), dk_atomic.float()) <= 4e-3, f"det vs atomic rel L2 {rel_l2(dk.float(), dk_atomic.float()):.3g}"
+    if mag < 1:
+        _, lse, inv = ref.indexer_loss_fwd_ref(q.double(), k.double(), w.double(), idx, tgt, 64 ** -0.5, lens)
+        _, wk, _ = ref.indexer_loss_bwd_ref(q.double(), k.double(), w.double(), idx, tgt, g_rows.double(), lse, inv,
+                                            64 ** -0.5, lens)
+        assert rel_l2(dk.double(), wk) <= 1e-2, f"dk rel L2 {rel_l2(dk.double(), wk):.3g}"
 
 
 def test_loss_headline_shape_fwd_bwd(monkeypatch):

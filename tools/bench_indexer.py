@@ -229,12 +229,12 @@ def rows(args):
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
             # (deterministic, dk mode): MLA_KERNELS_INDEXER_DK (red, bulk, none) or
-            # MLA_KERNELS_INDEXER_DET ("" = the default fixed_bulk, or one of the other modes)
+            # MLA_KERNELS_INDEXER_DET ("" = the default fixed_bulk64, or one of the other modes)
             variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "")] if "loss_det" in mine else [])
             variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
             variants += [(False, "none")] if ("loss_nodk" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
-                variants += [(True, m) for m in ("fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red", "slots")]
+                variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
             for det, dk in variants:
                 tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = dk

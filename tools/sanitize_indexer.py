@@ -128,7 +128,7 @@ def workload() -> int:
     for mode, det in modes:
         def loss_bwd(mode=mode, det=det):
             os.environ[indexer_host.ENV_DK] = "bulk" if mode == "bulk" else "red"
-            os.environ[indexer_host.ENV_DET] = mode if det else "fixed_bulk"
+            os.environ[indexer_host.ENV_DET] = mode if det else "fixed_bulk64"
             qq, kk, ww = (x.clone().requires_grad_(True) for x in (q, k, w))
             rows = mk.indexer_loss(qq, kk, ww, idx, tgt, sm_scale=0.1, topk_length=tl, reduction="none",
                                    deterministic=det)

@@ -11,7 +11,7 @@ launches.
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
   ``topk`` padded to a multiple of 64 with -1 slots (target 0); ``dk`` accumulated in a float32
   ``[s_kv, d]`` workspace (16-byte float atomics).  With ``deterministic`` (default
-  ``fixed_bulk``, :data:`ENV_DET`): accumulated in fixed point, ``round(x * 2^e)`` added as
+  ``fixed_bulk64``, :data:`ENV_DET`): accumulated in fixed point, ``round(x * 2^e)`` added as
   64-bit integers into an int64 ``[s_kv, d]`` workspace -- integer addition is associative, so
   the bits do not depend on the order the additions land in -- and converted back
   (``/ 2^e``, float64, then k's dtype).  ``2^e`` (:func:`fixed_point_scale`, computed on the device,
@@ -40,12 +40,12 @@ WORKSPACE_BYTES = 512 << 20
 #: How the loss backward adds dk: ``red`` (16-byte float atomics from registers) or ``bulk``
 #: (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
 ENV_DK = "MLA_KERNELS_INDEXER_DK"
-#: How the deterministic loss backward adds dk: ``fixed_bulk`` (default), ``fixed_bulk2``,
-#: ``fixed_bulk64``, ``fixed_bulk32x2``, ``fixed_red`` (fixed-point int64 sums, see the module
+#: How the deterministic loss backward adds dk: ``fixed_bulk64`` (default), ``fixed_bulk``,
+#: ``fixed_bulk2``, ``fixed_bulk32x2``, ``fixed_red`` (fixed-point int64 sums, see the module
 #: docstring and ``indexer_loss_bwd.py``) or ``slots`` (per-slot rows, sort + segment sum).
 #: ``MLA_KERNELS_INDEXER_DK=none`` (profiling only) skips dk altogether.
 ENV_DET = "MLA_KERNELS_INDEXER_DET"
-DET_MODES = ("fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red", "slots")
+DET_MODES = ("fixed_bulk64", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
 #: step, the first version's behaviour; default 4).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
@@ -226,7 +226,7 @@ def run_loss_fwd(p):
 def dk_mode(deterministic: bool) -> str:
     """The loss backward's dk mode for this call (environment: :data:`ENV_DK`, :data:`ENV_DET`)."""
     if deterministic:
-        mode = os.environ.get(ENV_DET, "fixed_bulk").strip().lower() or "fixed_bulk"
+        mode = os.environ.get(ENV_DET, "fixed_bulk64").strip().lower() or "fixed_bulk64"
         if mode not in DET_MODES:
             raise ValueError(f"{ENV_DET}={mode!r}: expected one of {', '.join(DET_MODES)}")
         return mode

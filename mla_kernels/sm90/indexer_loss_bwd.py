@@ -17,11 +17,11 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
    modes: ``fixed_*`` add ``round(dK * 2^e)`` as 64-bit integers into an int64 ``[s_kv, d]``
    workspace (integer addition is associative: the sum is the same whatever order the additions
    arrive in; ``2^e`` comes from the host's bound on every partial sum, see ``indexer_host``) --
-   ``fixed_bulk`` (the default) stages 32-column pieces in smem and adds one 256-byte row per
-   ``cp.reduce.async.bulk .add.u64``; ``fixed_bulk2`` 16-column pieces in two alternating
-   buffers (the wait for a piece's smem read overlaps the next piece), ``fixed_bulk64`` whole
-   64-column chunks, ``fixed_bulk32x2`` 32-column pieces in two buffers (these two with 3 key
-   stages instead of 4, for smem); ``fixed_red`` 8-byte ``red.global.add.u64`` from registers --; ``slots`` stores each slot's row to the query's own
+   ``fixed_bulk64`` (the default; fastest measured) stages each whole 64-column chunk in smem and
+   adds one 512-byte row per ``cp.reduce.async.bulk .add.u64`` (3 key stages instead of 4, for
+   smem); ``fixed_bulk`` 32-column pieces (4 stages), ``fixed_bulk2`` 16-column pieces in two
+   alternating buffers (the wait for a piece's smem read overlaps the next piece),
+   ``fixed_bulk32x2`` 32-column pieces in two buffers (3 stages); ``fixed_red`` 8-byte ``red.global.add.u64`` from registers --; ``slots`` stores each slot's row to the query's own
    workspace rows (the host sums them in a fixed order: sort + segment sum).  ``none`` (profiling
    only: dk is not formed) measures what the dk additions cost;
 4. ``dS^T`` through shared memory (stmatrix) for ``dq_t += dS K_sel`` (wgmma SS, both operands
@@ -404,10 +404,10 @@ class IndexerLossBwdSm90:
 
 
 def dk_mode_of(deterministic: bool, dk_bulk: bool = False, dk_mode=None) -> str:
-    """The dk mode: ``dk_mode`` if given, else ``fixed_bulk`` (deterministic), ``bulk`` or ``red``."""
+    """The dk mode: ``dk_mode`` if given, else ``fixed_bulk64`` (deterministic), ``bulk`` or ``red``."""
     if dk_mode is not None:
         return dk_mode
-    return "fixed_bulk" if deterministic else ("bulk" if dk_bulk else "red")
+    return "fixed_bulk64" if deterministic else ("bulk" if dk_bulk else "red")
 
 
 def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", dk_bulk: bool = False,
