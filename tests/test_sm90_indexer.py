@@ -116,10 +116,14 @@ def naive_select(scores, start, end, topk):
     return idx, ln
 
 
+@pytest.mark.parametrize("tmap", ["1", "0"])
 @pytest.mark.parametrize("topk", [1, 7, 64, 300])
-def test_topk_kernel_adversarial_rows(topk):
-    """The top-k kernel alone on rows with ties, NaN, +-0, +-inf and rows shorter than topk."""
+def test_topk_kernel_adversarial_rows(topk, tmap, monkeypatch):
+    """The top-k kernel alone on rows with ties, NaN, +-0, +-inf and rows shorter than topk
+    (selection written from the bitmap where it applies, or always by the third pass)."""
     from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv(indexer_host.ENV_TOPK_MAP, tmap)
 
     g = torch.Generator().manual_seed(topk)
     s_q, ld = 40, 1500
@@ -155,11 +159,14 @@ def test_topk_kernel_adversarial_rows(topk):
     assert torch.equal(lg.cpu()[nn], want_lg[nn])
 
 
+@pytest.mark.parametrize("tmap", ["1", "0"])
 @pytest.mark.parametrize("topk", [100, 3000, 5000])
-def test_topk_kernel_long_rows_heavy_ties(topk):
+def test_topk_kernel_long_rows_heavy_ties(topk, tmap, monkeypatch):
     """Rows longer than the shared candidate buffer whose threshold bin overflows it (all equal,
     few distinct values) and ones that fit, through the top-k kernel alone."""
     from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv(indexer_host.ENV_TOPK_MAP, tmap)
 
     g = torch.Generator().manual_seed(topk)
     s_q, ld = 8, 10000
@@ -178,6 +185,29 @@ def test_topk_kernel_long_rows_heavy_ties(topk):
     want_idx, want_len = naive_select(sc, start, end, topk)
     assert torch.equal(ln.cpu(), want_len)
     assert torch.equal(idx.cpu(), want_idx)
+
+
+def test_topk_kernel_rows_beyond_the_bitmap():
+    """Rows of more keys than the selection bitmap holds (MAP_BITS) take the third pass; a row of
+    exactly MAP_BITS keys the bitmap; one of MAP_BITS keys with more ties at the threshold than
+    needed the third pass again -- all exact."""
+    from mla_kernels.sm90 import indexer_host
+    from mla_kernels.sm90.indexer_topk import MAP_BITS
+
+    g = torch.Generator().manual_seed(11)
+    ld, topk = MAP_BITS + 100, 2048
+    sc = torch.randn(3, ld, generator=g)
+    sc[2] = torch.randint(0, 1000, (ld,), generator=g).float()  # ~262 ties per value: need < ties
+    start = torch.tensor([0, 100, 37])
+    end = torch.tensor([ld, ld, 37 + MAP_BITS])
+    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
+    torch.cuda.synchronize()
+    for t in range(3):  # the top-k of a row by a stable sort (faster than naive_select here)
+        a, b = int(start[t]), int(end[t])
+        order = torch.sort(-sc[t, a:b].double(), stable=True).indices[:topk]
+        want = torch.sort(order + a).values.int()
+        assert int(ln[t]) == topk and torch.equal(idx[t].cpu(), want), f"row {t}"
+        assert torch.equal(lg[t].cpu(), sc[t, want.long()])
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -49,6 +49,9 @@ DET_MODES = ("fixed_bulk64", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fix
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
 #: step, the first version's behaviour; default 4).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
+#: ``0``: the top-k kernel always writes its selection by a third pass over the row (the first
+#: version) instead of from its shared selection bitmap.
+ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
@@ -130,8 +133,9 @@ def _topk_fn(p, return_logits: bool):
     batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
     if batch not in (1, 2, 4, 8):
         raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
-    return cached(("IndexerTopkSm90", return_logits, batch, arch),
-                  lambda: compile_topk(return_logits, arch, batch=batch))
+    bitmap = os.environ.get(ENV_TOPK_MAP, "1").strip() != "0"
+    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, arch),
+                  lambda: compile_topk(return_logits, arch, batch=batch, bitmap=bitmap))
 
 
 #: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.
