@@ -199,7 +199,7 @@ class IndexerTopkSm90:
         done = cnt == need
         done1 = done
         use_cand = (cnt <= CAP) & (cnt != need)
-        map_ok = n <= Int32(MAP_BITS)
+        map_ok = n <= Int32(MAP_BITS if self.bitmap else -1)  # never without the bitmap
 
         # -- pass 2: per-segment counts above / in bin b1; bin b1's keys to smem ---------------
         lt = cute.arch.lanemask_lt()
