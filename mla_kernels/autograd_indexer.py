@@ -73,7 +73,8 @@ def indexer_loss(
         indices: ``[s_q, topk]`` or ``[s_q, 1, topk]`` int32/int64 (e.g. from
             :func:`mla_kernels.indexer_topk`); target: ``[s_q, topk]`` float.
         reduction: ``"mean"`` (sum over rows / s_q), ``"sum"`` or ``"none"`` (``[s_q]``).
-        deterministic: bitwise-reproducible gradients run to run (fixed-order dk reduction).
+        deterministic: bitwise-reproducible gradients run to run (sm90: dk summed in 64-bit
+            fixed point -- order-independent integer additions; the reference: a fixed order).
 
     Returns:
         the loss (float32; float64 for float64 inputs), a scalar or ``[s_q]``.

@@ -727,7 +727,10 @@ def indexer_loss_bwd_ref(
             vld = valid[c0:c1]
             w = weights[c0:c1].to(cdt)
             a, logit, ksel, qc = _selected_scores(q_idx[c0:c1], k2, w, idx2[c0:c1], vld, sm_scale, cdt)
-            pi = torch.where(vld, torch.exp(logit - lse[c0:c1].to(cdt)[:, None]), torch.zeros_like(logit))
+            # inactive rows (no valid slot, zero target sum) get no gradient: their pi is not formed
+            # (their lse is 0, and exp(logit) of a large logit would be inf, inf * 0 = NaN)
+            act = vld & (inv_tsum[c0:c1] > 0)[:, None]
+            pi = torch.where(act, torch.exp(logit - lse[c0:c1].to(cdt)[:, None]), torch.zeros_like(logit))
             p = torch.where(vld, target[c0:c1].to(cdt) * inv_tsum[c0:c1].to(cdt)[:, None], torch.zeros_like(logit))
             d_i = (pi - p) * g_all[c0:c1, None]
             dw[c0:c1] = torch.einsum("ct,cht->ch", d_i, a.clamp_min(0)) * sm_scale

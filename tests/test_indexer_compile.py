@@ -4,6 +4,8 @@ workspace sizing (CPU)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ SMEM_LIMIT = 232448
 def report():
     cr = compile_report_module()
     only = {"sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128", "sm90_indexer_topk_logits",
-            "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128"}
+            "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
 
@@ -53,6 +55,12 @@ def test_loss_kernels(report):
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 16 and sass.get("HGMMA.64x128x16.F32.BF16", 0) == 4
     assert sass.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 16
     assert base.get("STSM", 0) > 0
+    # deterministic (fixed_bulk64): dk rounded to int64 (64 per thread per block) and added by
+    # one 64-column bulk integer reduction per chunk (2 chunks), no float atomics
+    sass, base = _common(report["sm90_indexer_loss_bwd_d128_det_topklen"])
+    assert sass.get("F2I.S64", 0) == 64 and sass.get("UBLKRED.G.S.ADD.U64", 0) == 2
+    assert sass.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 0
+    assert report["sm90_indexer_loss_bwd_d128_det_topklen"]["smem_bytes"] <= 113 * 1024  # two CTAs per SM
 
 
 def test_sm90_indexer_support_answers():
@@ -92,3 +100,57 @@ def test_topk_workspace_rows():
         assert rows * s_kv * 4 <= indexer_host.WORKSPACE_BYTES or rows == 32
         assert rows <= -(-s_q // 32) * 32
     assert indexer_host.block_rows(32768, 32768) == 4096
+
+
+def test_fixed_point_scale_bounds_every_partial_sum():
+    """The deterministic loss backward's fixed-point scale (CPU, the host function itself): a power
+    of two, every per-key sum of |per-slot dK rows| (dI anywhere in [-|g|, |g|]) stays below 2^62
+    after scaling, integer sums do not depend on the order, and they dequantise to the float64 sum
+    within half a unit per addition."""
+    from mla_kernels.sm90.indexer_host import fixed_point_scale
+
+    g = torch.Generator().manual_seed(0)
+    s_q, h, d, s_kv, topk = 40, 64, 32, 50, 24
+    q = (torch.randn(s_q, h, d, generator=g) * 3).bfloat16()
+    w_eff = torch.randn(s_q, h, generator=g) * 0.2
+    grad = torch.randn(s_q, generator=g)
+    scale = fixed_point_scale(q, w_eff, grad)
+    assert scale.shape == (1,) and scale.dtype == torch.float32
+    e = math.log2(scale.item())
+    assert e == int(e), "the scale must be a power of two (x * scale exact)"
+    idx = torch.randint(0, s_kv, (s_q, topk), generator=g)
+    d_i = (torch.rand(s_q, topk, generator=g) * 2 - 1) * grad[:, None]  # |dI| <= |g|
+    mask = torch.rand(s_q, topk, h, generator=g) < 0.5  # ReLU' of S^T
+    ds = (d_i[:, :, None] * w_eff[:, None, :] * mask).bfloat16().double()  # [s_q, topk, h] as the kernel
+    rows = torch.einsum("tih,thc->tic", ds, q.double()).reshape(-1, d)  # per-slot dK rows
+    keys = idx.reshape(-1)
+    abs_sum = torch.zeros(s_kv, d, dtype=torch.float64).index_add_(0, keys, rows.abs())
+    assert (abs_sum * scale.double()).max().item() <= 2.0 ** 62
+    # the bound is not loose beyond reason: the scale keeps > 40 bits below the largest sum
+    assert (abs_sum * scale.double()).max().item() >= 2.0 ** 40
+    fixed = torch.round(rows * scale.double()).long()
+    ref_sum = torch.zeros(s_kv, d, dtype=torch.float64).index_add_(0, keys, rows)
+    sums = []
+    for seed in range(3):
+        perm = torch.randperm(keys.numel(), generator=torch.Generator().manual_seed(seed))
+        acc = torch.zeros(s_kv, d, dtype=torch.int64)
+        for i in perm.tolist():  # one addition at a time, in a different order each time
+            acc[keys[i]] += fixed[i]
+        sums.append(acc)
+    assert all(torch.equal(sums[0], s) for s in sums[1:])
+    count = torch.bincount(keys, minlength=s_kv).double()[:, None]
+    err = (sums[0].double() / scale.double() - ref_sum).abs()
+    assert (err <= 0.5 * count / scale.double() + 1e-300).all()
+
+
+def test_fixed_point_scale_edge_cases():
+    from mla_kernels.sm90.indexer_host import fixed_point_scale
+
+    q = torch.ones(4, 64, 16, dtype=torch.bfloat16)
+    w = torch.ones(4, 64)
+    assert fixed_point_scale(q, w, torch.zeros(4)).item() == 2.0 ** 126  # nothing to add: any scale
+    for bad in (float("inf"), float("nan")):
+        s = fixed_point_scale(q, w, torch.tensor([1.0, bad, 0.0, 1.0])).item()
+        assert s == 2.0 ** -126  # finite, no error (dk is meaningless with non-finite gradients)
+    # 64 heads x |w| 1 x |q| 1 x 4 rows x margin 4 = 2^10 -> 2^52
+    assert fixed_point_scale(q, w, torch.ones(4)).item() == 2.0 ** 52

@@ -337,3 +337,21 @@ def test_dsa_layer_flow_from_the_readme():
     # the target sums to h_q over each row's valid slots (softmax per head, summed over heads)
     sums = holder.value.sum(dim=1)
     torch.testing.assert_close(sums[topk_length > 0], torch.full_like(sums[topk_length > 0], float(h_q)))
+
+
+def test_loss_backward_inactive_rows_with_huge_logits_give_zero_not_nan():
+    """A row with a zero target sum (inactive: no gradient) and logits far beyond exp's range: its
+    pi is not formed, so its gradient is 0 and no NaN (inf * 0) leaks into dk."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 2, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(10, 8, generator=g, dtype=torch.float64)
+    w = torch.rand(4, 2, generator=g, dtype=torch.float64) * 1e6  # logits ~ 1e6: exp overflows
+    idx = torch.randint(0, 10, (4, 5), generator=g).int()
+    tgt = torch.rand(4, 5, generator=g, dtype=torch.float64)
+    tgt[1] = 0.0  # inactive row
+    _, lse, inv = ref.indexer_loss_fwd_ref(q, k, w, idx, tgt, 1.0)
+    assert inv[1] == 0
+    dq, dk, dw = ref.indexer_loss_bwd_ref(q, k, w, idx, tgt, torch.ones(4, dtype=torch.float64), lse, inv, 1.0)
+    for t in (dq, dk, dw):
+        assert torch.isfinite(t).all()
+    assert (dq[1] == 0).all() and (dw[1] == 0).all()

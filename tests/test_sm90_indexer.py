@@ -116,10 +116,14 @@ def naive_select(scores, start, end, topk):
     return idx, ln
 
 
+@pytest.mark.parametrize("tmap", ["1", "0"])
 @pytest.mark.parametrize("topk", [1, 7, 64, 300])
-def test_topk_kernel_adversarial_rows(topk):
-    """The top-k kernel alone on rows with ties, NaN, +-0, +-inf and rows shorter than topk."""
+def test_topk_kernel_adversarial_rows(topk, tmap, monkeypatch):
+    """The top-k kernel alone on rows with ties, NaN, +-0, +-inf and rows shorter than topk
+    (selection written from the bitmap where it applies, or always by the third pass)."""
     from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv(indexer_host.ENV_TOPK_MAP, tmap)
 
     g = torch.Generator().manual_seed(topk)
     s_q, ld = 40, 1500
@@ -155,11 +159,14 @@ def test_topk_kernel_adversarial_rows(topk):
     assert torch.equal(lg.cpu()[nn], want_lg[nn])
 
 
+@pytest.mark.parametrize("tmap", ["1", "0"])
 @pytest.mark.parametrize("topk", [100, 3000, 5000])
-def test_topk_kernel_long_rows_heavy_ties(topk):
+def test_topk_kernel_long_rows_heavy_ties(topk, tmap, monkeypatch):
     """Rows longer than the shared candidate buffer whose threshold bin overflows it (all equal,
     few distinct values) and ones that fit, through the top-k kernel alone."""
     from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv(indexer_host.ENV_TOPK_MAP, tmap)
 
     g = torch.Generator().manual_seed(topk)
     s_q, ld = 8, 10000
@@ -178,6 +185,29 @@ def test_topk_kernel_long_rows_heavy_ties(topk):
     want_idx, want_len = naive_select(sc, start, end, topk)
     assert torch.equal(ln.cpu(), want_len)
     assert torch.equal(idx.cpu(), want_idx)
+
+
+def test_topk_kernel_rows_beyond_the_bitmap():
+    """Rows of more keys than the selection bitmap holds (MAP_BITS) take the third pass; a row of
+    exactly MAP_BITS keys the bitmap; one of MAP_BITS keys with more ties at the threshold than
+    needed the third pass again -- all exact."""
+    from mla_kernels.sm90 import indexer_host
+    from mla_kernels.sm90.indexer_topk import MAP_BITS
+
+    g = torch.Generator().manual_seed(11)
+    ld, topk = MAP_BITS + 100, 2048
+    sc = torch.randn(3, ld, generator=g)
+    sc[2] = torch.randint(0, 1000, (ld,), generator=g).float()  # ~262 ties per value: need < ties
+    start = torch.tensor([0, 100, 37])
+    end = torch.tensor([ld, ld, 37 + MAP_BITS])
+    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
+    torch.cuda.synchronize()
+    for t in range(3):  # the top-k of a row by a stable sort (faster than naive_select here)
+        a, b = int(start[t]), int(end[t])
+        order = torch.sort(-sc[t, a:b].double(), stable=True).indices[:topk]
+        want = torch.sort(order + a).values.int()
+        assert int(ln[t]) == topk and torch.equal(idx[t].cpu(), want), f"row {t}"
+        assert torch.equal(lg[t].cpu(), sc[t, want.long()])
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -365,6 +395,53 @@ def test_loss_backward_dk_bulk(d, monkeypatch):
     wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)
     for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
         assert rel_l2(a.float(), b) <= 1e-2, f"{name} rel L2 {rel_l2(a.float(), b):.3g}"
+
+
+def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
+    """Every fixed-point dk mode adds the same integers (the per-slot rows are the same float32
+    values, rounded the same way), so their dk agree bitwise -- and with the float32 reference."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(150, 700, 300, 128, seed=6, tl=True)
+    g_rows = torch.randn(150, generator=torch.Generator().manual_seed(3)).cuda()
+    got = {}
+    for mode in indexer_host.DET_MODES:
+        monkeypatch.setenv(indexer_host.ENV_DET, mode)
+        got[mode] = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
+    torch.cuda.synchronize()
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, 128 ** -0.5, lens)
+    wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, 128 ** -0.5, lens)
+    for mode, (dq, dk, dw) in got.items():
+        for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
+            assert rel_l2(a.float(), b) <= 1e-2, f"{mode}: {name} rel L2 {rel_l2(a.float(), b):.3g}"
+    for mode in indexer_host.DET_MODES:
+        if mode.startswith("fixed"):
+            assert torch.equal(got[mode][1], got["fixed_bulk"][1]), f"{mode} dk differs from fixed_bulk's"
+            assert torch.equal(got[mode][0], got["fixed_bulk"][0]) and torch.equal(got[mode][2], got["fixed_bulk"][2])
+
+
+@pytest.mark.parametrize("mag", [2.0 ** -30, 2.0 ** 24])
+def test_loss_backward_fixed_point_dk_far_from_one(mag, monkeypatch):
+    """The fixed-point scale follows the gradients' magnitude (tiny or huge weights): the
+    deterministic dk equals the float-atomic one (same per-slot rows, summed another way) to
+    bf16 rounding, nothing overflows or flushes to zero.  (Against the float64 reference only
+    at the small magnitude: with logits ~2^24 the softmax is so peaked that float32 logits alone
+    move pi by percents.)"""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(120, 900, 256, 64, seed=8, tl=False)
+    w = w * mag
+    g_rows = torch.rand(120, generator=torch.Generator().manual_seed(4)).cuda() + 0.5
+    _, dk, _ = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
+    _, dk_atomic, _ = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
+    torch.cuda.synchronize()
+    assert torch.isfinite(dk).all() and dk.abs().sum() > 0
+    assert rel_l2(dk.float(), dk_atomic.float()) <= 4e-3, f"det vs atomic rel L2 {rel_l2(dk.float(), dk_atomic.float()):.3g}"
+    if mag < 1:
+        _, lse, inv = ref.indexer_loss_fwd_ref(q.double(), k.double(), w.double(), idx, tgt, 64 ** -0.5, lens)
+        _, wk, _ = ref.indexer_loss_bwd_ref(q.double(), k.double(), w.double(), idx, tgt, g_rows.double(), lse, inv,
+                                            64 ** -0.5, lens)
+        assert rel_l2(dk.double(), wk) <= 1e-2, f"dk rel L2 {rel_l2(dk.double(), wk):.3g}"
 
 
 def test_loss_headline_shape_fwd_bwd(monkeypatch):

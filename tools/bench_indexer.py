@@ -40,7 +40,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
                     help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
-                         "topk_parts (score and select kernels timed apart)")
+                         "loss_det_modes (every deterministic dk mode), loss_nodk (profiling: the backward "
+                         "without dk), topk_parts (score and select kernels timed apart), score_profile "
+                         "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
+                         "registers or, _wsmem, read from smem per key tile)")
+    ap.add_argument("--peer-tar", default="",
+                    help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
+                         "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
     ap.add_argument("--no-peer", action="store_true", help="do not time cuDNN-frontend")
     ap.add_argument("--peer-only", action="store_true", help="time only cuDNN-frontend")
     ap.add_argument("--reps", type=int, default=20)
@@ -140,8 +146,24 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
     _row(out, "topk_part_select", "ours", S, TOPK, med, ts, None, None, f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
 
 
-def _cudnn():
+def _unpack_peer(tar: str) -> None:
+    """Unpack the cuDNN-frontend tarball (once per machine) and put it first on ``sys.path``."""
+    import tarfile
+    import tempfile
+
+    dst = os.path.join(tempfile.gettempdir(), "mlak_peer")
+    if not os.path.isdir(os.path.join(dst, "cudnn")):
+        os.makedirs(dst, exist_ok=True)
+        with tarfile.open(tar) as tf:
+            tf.extractall(dst)
+    if dst not in sys.path:
+        sys.path.insert(0, dst)
+
+
+def _cudnn(tar: str = ""):
     try:
+        if tar:
+            _unpack_peer(tar)
         from cudnn.deepseek_sparse_attention import (  # noqa: F401
             indexer_backward_wrapper, indexer_forward_wrapper, indexer_top_k_wrapper,
             sparse_indexer_score_recompute_wrapper)
@@ -170,7 +192,7 @@ def rows(args):
     backend = mk.backend_for(dev)
     ours = "ours" if backend != "reference" else "reference"
     cases = args.cases.split(",")
-    peer = None if (args.no_peer or not cuda) else _cudnn()
+    peer = None if (args.no_peer or not cuda) else _cudnn(getattr(args, "peer_tar", ""))
     mine = [] if getattr(args, "peer_only", False) else cases
     out = []
     scale = D ** -0.5
@@ -197,17 +219,25 @@ def rows(args):
             del s8
         if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
-        if "loss" in mine or "loss_det" in mine or "loss_bulk" in mine:
+        if "score_profile" in mine and cuda:
+            _score_profile(out, S, TOPK, sets, args, scale, fl_scores)
+        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk")
+        if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
             tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
-            variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "red")] if "loss_det" in mine else [])
+            # (deterministic, dk mode): MLA_KERNELS_INDEXER_DK (red, bulk, none) or
+            # MLA_KERNELS_INDEXER_DET ("" = the default fixed_bulk64, or one of the other modes)
+            variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "")] if "loss_det" in mine else [])
             variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
+            variants += [(False, "none")] if ("loss_nodk" in mine and cuda) else []
+            if "loss_det_modes" in mine and cuda:
+                variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
             for det, dk in variants:
-                tag = ("_det" if det else "") + ("_dkbulk" if dk == "bulk" else "")
-                os.environ["MLA_KERNELS_INDEXER_DK"] = dk
+                tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
+                os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = dk
 
                 def fwd(i, det=det):
                     s = leaves[i]
@@ -230,6 +260,7 @@ def rows(args):
                 med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
                 _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
+            os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
             del leaves
         if peer is not None:
             _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)
@@ -237,6 +268,41 @@ def rows(args):
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
+    """The score kernel over all row blocks (bf16 and fp8) as built, without its stores, and with
+    the MMAs alone (``IndexerScoreSm90(profile=...)`` timing copies): where its time goes."""
+    from mla_kernels import _compile
+    from mla_kernels.api_indexer import make_indexer_problem
+    from mla_kernels.sm90 import indexer_host as ih
+    from mla_kernels.sm90.indexer_score import compile_score
+
+    arch = _compile.arch_for_device(torch.device("cuda"))
+    rows = ih.block_rows(S, S)
+    ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
+    for fp8 in (False, True):
+        probs = []
+        for s in sets:
+            if fp8:
+                probs.append(make_indexer_problem(s["q"].to(torch.float8_e4m3fn), s["k"].to(torch.float8_e4m3fn),
+                                                  s["w"], sm_scale=scale, q_scale=torch.ones(S, H, device="cuda"),
+                                                  k_scale=torch.ones(S, device="cuda")))
+            else:
+                probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
+        ins = [ih._score_inputs(p) for p in probs]
+        for prof, w_regs in (("", True), ("nostore", True), ("mma", True), ("", False), ("nostore", False)):
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs)
+
+            def f(i, fn=fn):
+                q2, k, w_eff, ks = ins[i]
+                p = probs[i]
+                for q0 in range(0, S, rows):
+                    fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
+            med, ts = _time(f, args.sets, args.warmup, args.reps)
+            tag = f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
+            _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
+        del probs, ins
 
 
 def _peer_rows(out, m, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Run the sm90 indexer kernels (scores bf16 / fp8, the top-k kernel on every path of its
-selection, loss forward, backward with atomic / bulk-reduce / deterministic dk) under
+selection, loss forward, backward with atomic / bulk-reduce dk and every deterministic dk mode) under
 compute-sanitizer's memcheck, racecheck and synccheck.
 
   python tools/sanitize_indexer.py [--tools memcheck,racecheck,synccheck] [--log-dir DIR]
@@ -123,9 +123,12 @@ def workload() -> int:
         return rel(rows, ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, 0.1, tl)[0]) < 1e-4
 
     step("loss fwd", loss_fwd)
-    for mode, det in (("red", False), ("bulk", False), ("det", True)):
+    modes = (("red", False), ("bulk", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
+             ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True))
+    for mode, det in modes:
         def loss_bwd(mode=mode, det=det):
             os.environ[indexer_host.ENV_DK] = "bulk" if mode == "bulk" else "red"
+            os.environ[indexer_host.ENV_DET] = mode if det else "fixed_bulk64"
             qq, kk, ww = (x.clone().requires_grad_(True) for x in (q, k, w))
             rows = mk.indexer_loss(qq, kk, ww, idx, tgt, sm_scale=0.1, topk_length=tl, reduction="none",
                                    deterministic=det)

@@ -7,7 +7,11 @@
 * :func:`ordered_key` -- a float32 as a uint32 whose unsigned order is the float order (NaN as
   -inf, -0 as +0): the radix top-k's key;
 * :func:`block_exclusive_sum` -- exclusive prefix sum of one Int32 per thread over a CTA;
-* :func:`f32_bits` / :func:`u32_as_f32` -- bit casts.
+* :func:`f32_bits` / :func:`u32_as_f32` -- bit casts;
+* :func:`f32_to_fixed` / :func:`red_add_u64` / :func:`bulk_reduce_add_u64` -- the deterministic
+  loss backward's fixed-point dk: a float32 scaled to a signed 64-bit integer, and 64-bit integer
+  additions into global memory (integer addition is associative, so the sum does not depend on
+  the order the additions arrive in).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -37,6 +41,44 @@ def u32_as_f32(x: Uint32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(T.f32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
                                    has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def f32_to_fixed(x: Float32, scale: Float32, *, loc=None, ip=None) -> Int64:
+    """``round(x * scale)`` as a signed 64-bit integer (``cvt.rni.s64.f32``: round to nearest
+    even, saturating; NaN gives 0).  ``scale`` a power of two, so ``x * scale`` is exact."""
+    y = Float32(x) * Float32(scale)
+    return Int64(llvm.inline_asm(T.i64(), [y.ir_value(loc=loc, ip=ip)], "cvt.rni.s64.f32 $0, $1;", "=l,f",
+                                 has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def red_add_u64(gmem_addr: Int64, v: Int64, *, loc=None, ip=None) -> None:
+    """``red.global.add.u64``: one 8-byte integer atomic add (two's complement: signed values
+    add correctly, wrapping modulo 2^64), no return value."""
+    llvm.inline_asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int64(v).ir_value(loc=loc, ip=ip)],
+                    "red.global.add.u64 [$0], $1;", "l,l", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def bulk_reduce_add_u64(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, policy: Int64, *, loc=None,
+                        ip=None) -> None:
+    """TMA bulk reduction ``global[gmem_addr : +nbytes] += shared[smem_addr : +nbytes]`` in 64-bit
+    integers (``cp.reduce.async.bulk ... .add.u64``, L2 cache-policy hint; ``nbytes`` a multiple of
+    16, both addresses 16-byte aligned).  Asynchronous: commit the bulk group and wait (``.read``)
+    before the source is overwritten."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip),
+         Int32(nbytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.u64 [$0], [$1], $2, $3;",
+        "l,r,r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 def ordered_key(x: Float32) -> Uint32:
@@ -74,6 +116,27 @@ def weighted_relu_rows(acc: cute.Tensor, sW: cute.Tensor, w_off: Int32, col0: in
     for g in range(col0 // 8, (col0 + n_cols) // 8):
         for v0 in range(2):
             w = sW[w_off + 8 * g + 2 * lane_quad + v0]
+            s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
+            s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
+    return s0, s1
+
+
+def load_weight_cols(rW: cute.Tensor, sW: cute.Tensor, w_off: Int32, n_cols: int, lane_quad: Int32) -> None:
+    """``rW[2 g + v] = sW[w_off + 8 g + 2 lane_quad + v]``: this thread's columns of an
+    ``n_cols``-column wgmma accumulator fragment, for :func:`weighted_relu_rows_reg`."""
+    for g in range(n_cols // 8):
+        for v0 in range(2):
+            rW[2 * g + v0] = sW[w_off + 8 * g + 2 * lane_quad + v0]
+
+
+def weighted_relu_rows_reg(acc: cute.Tensor, rW: cute.Tensor, col0: int, n_cols: int):
+    """:func:`weighted_relu_rows` with the weights already in registers (``rW`` from
+    :func:`load_weight_cols`): no shared-memory loads per tile."""
+    s0 = Float32(0.0)
+    s1 = Float32(0.0)
+    for g in range(col0 // 8, (col0 + n_cols) // 8):
+        for v0 in range(2):
+            w = rW[2 * g + v0]
             s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
             s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
     return s0, s1

@@ -10,10 +10,18 @@ launches.
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
   ``topk`` padded to a multiple of 64 with -1 slots (target 0); ``dk`` accumulated in a float32
-  ``[s_kv, d]`` workspace (16-byte float atomics), or with ``deterministic`` written per slot
-  into a workspace of at most :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave
-  of queries and summed per key in a fixed order (stable sort + segment sum, as the attention
-  backward's deterministic mode).
+  ``[s_kv, d]`` workspace (16-byte float atomics).  With ``deterministic`` (default
+  ``fixed_bulk64``, :data:`ENV_DET`): accumulated in fixed point, ``round(x * 2^e)`` added as
+  64-bit integers into an int64 ``[s_kv, d]`` workspace -- integer addition is associative, so
+  the bits do not depend on the order the additions land in -- and converted back
+  (``/ 2^e``, float64, then k's dtype).  ``2^e`` (:func:`fixed_point_scale`, computed on the device,
+  no synchronisation) is the largest power of two with ``4 B 2^e <= 2^62`` for a bound ``B`` on
+  every partial sum of every dk element: ``|dK_slot[c]| <= |g_t| sum_j |w_eff[t, j]| max|q_t|``
+  (``|pi - p| <= 1``), summed over the queries.  The absolute resolution is ``2^-e``, ~``B 2^-60``;
+  non-finite gradients (``g``, ``w``, ``q`` with inf/NaN) give a meaningless dk in this mode.
+  ``slots`` (the first deterministic mode): each slot's row written into a workspace of at most
+  :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave of queries and summed per key
+  in a fixed order (stable sort + segment sum, as the attention backward's deterministic mode).
 """
 
 from __future__ import annotations
@@ -32,9 +40,21 @@ WORKSPACE_BYTES = 512 << 20
 #: How the loss backward adds dk: ``red`` (16-byte float atomics from registers) or ``bulk``
 #: (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
 ENV_DK = "MLA_KERNELS_INDEXER_DK"
+#: How the deterministic loss backward adds dk: ``fixed_bulk64`` (default), ``fixed_bulk``,
+#: ``fixed_bulk2``, ``fixed_bulk32x2``, ``fixed_red`` (fixed-point int64 sums, see the module
+#: docstring and ``indexer_loss_bwd.py``) or ``slots`` (per-slot rows, sort + segment sum).
+#: ``MLA_KERNELS_INDEXER_DK=none`` (profiling only) skips dk altogether.
+ENV_DET = "MLA_KERNELS_INDEXER_DET"
+DET_MODES = ("fixed_bulk64", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
 #: step, the first version's behaviour; default 4).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
+#: ``0``: the top-k kernel always writes its selection by a third pass over the row (the first
+#: version) instead of from its shared selection bitmap.
+ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
+#: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
+#: instead of holding them in registers.
+ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
 FP8 = torch.float8_e4m3fn
 #: The loss kernels' largest top-k (``indexer_loss_fwd.MAX_TOPK``, repeated here so that the host
 #: side does not import the kernel module; a test checks that they agree).
@@ -102,16 +122,16 @@ def _score_inputs(p):
 # compile-cache key), never on a call whose kernel comes from memory or the on-disk cache.
 
 
-def _compile_score(fp8, h, d, arch):
+def _compile_score(fp8, h, d, arch, w_regs):
     from .indexer_score import compile_score
 
-    return compile_score(fp8, h, d, arch)
+    return compile_score(fp8, h, d, arch, w_regs=w_regs)
 
 
-def _compile_topk(return_logits, arch, batch):
+def _compile_topk(return_logits, arch, batch, bitmap):
     from .indexer_topk import compile_topk
 
-    return compile_topk(return_logits, arch, batch=batch)
+    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap)
 
 
 def _compile_loss_fwd(d, has_tl, cap, arch):
@@ -120,15 +140,17 @@ def _compile_loss_fwd(d, has_tl, cap, arch):
     return compile_loss_fwd(d, has_tl, cap, arch)
 
 
-def _compile_loss_bwd(d, has_tl, deterministic, arch, dk_bulk):
+def _compile_loss_bwd(d, has_tl, deterministic, arch, mode):
     from .indexer_loss_bwd import compile_loss_bwd
 
-    return compile_loss_bwd(d, has_tl, deterministic, arch, dk_bulk=dk_bulk)
+    return compile_loss_bwd(d, has_tl, deterministic, arch, dk_mode=mode)
 
 
 def _score_fn(p):
     fp8, arch = p.is_fp8, _arch(p)
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, arch), lambda: _compile_score(fp8, p.h, p.d, arch))
+    w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, arch),
+                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs))
 
 
 def _topk_fn(p, return_logits: bool):
@@ -136,8 +158,9 @@ def _topk_fn(p, return_logits: bool):
     batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
     if batch not in (1, 2, 4, 8):
         raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
-    return cached(("IndexerTopkSm90", return_logits, batch, arch),
-                  lambda: _compile_topk(return_logits, arch, batch))
+    bitmap = os.environ.get(ENV_TOPK_MAP, "1").strip() != "0"
+    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, arch),
+                  lambda: _compile_topk(return_logits, arch, batch, bitmap))
 
 
 #: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.
@@ -227,26 +250,57 @@ def run_loss_fwd(p):
     return loss, lse, inv
 
 
+def dk_mode(deterministic: bool) -> str:
+    """The loss backward's dk mode for this call (environment: :data:`ENV_DK`, :data:`ENV_DET`)."""
+    if deterministic:
+        mode = os.environ.get(ENV_DET, "fixed_bulk64").strip().lower() or "fixed_bulk64"
+        if mode not in DET_MODES:
+            raise ValueError(f"{ENV_DET}={mode!r}: expected one of {', '.join(DET_MODES)}")
+        return mode
+    mode = os.environ.get(ENV_DK, "red").strip().lower() or "red"
+    if mode not in ("red", "bulk", "none"):
+        raise ValueError(f"{ENV_DK}={mode!r}: expected red, bulk or none (profiling: no dk)")
+    return mode
+
+
+def fixed_point_scale(q: torch.Tensor, w_eff: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``2^e`` (float32 ``[1]``, on the device, no synchronisation) for the fixed-point dk: the
+    largest power of two with ``4 B 2^e <= 2^62``, ``B = sum_t |g_t| sum_j |w_eff[t, j]| max|q_t|``
+    bounding every partial sum of every dk element (see the module docstring); clamped to
+    ``2^[-126, 126]``."""
+    s_q = q.shape[0]
+    lo, hi = torch.aminmax(q.reshape(s_q, -1), dim=1)
+    qmax = torch.maximum(lo.float().abs(), hi.float().abs())
+    bound = (g.abs() * w_eff.abs().sum(1) * qmax).sum() * 4.0
+    e = torch.floor(62.0 - torch.log2(bound.clamp_min(2.0 ** -120)))
+    e = torch.nan_to_num(e, nan=-126.0, posinf=126.0, neginf=-126.0).clamp(-126.0, 126.0)
+    return torch.exp2(e).reshape(1).float().contiguous()
+
+
 def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     from ..common.bwd_host import DET_WORKSPACE_BYTES, reduce_slot_rows
     from ..reference import valid_mask
 
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     has_tl, arch = p.topk_length is not None, _arch(p)
-    mode = os.environ.get(ENV_DK, "red").strip().lower() or "red"
-    if mode not in ("red", "bulk"):
-        raise ValueError(f"{ENV_DK}={mode!r}: expected red or bulk")
-    bulk = mode == "bulk" and not deterministic
-    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, deterministic, bulk, arch),
-                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, bulk))
+    mode = dk_mode(deterministic)
+    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, mode, arch),
+                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, mode))
     dev = p.device
     g = grad_rows.float().contiguous()
     lse, inv = lse.float().contiguous(), inv.float().contiguous()
     dq = host.alloc((p.s_q, p.h, p.d), torch.bfloat16, dev)
     dw = host.alloc((p.s_q, p.h), torch.float32, dev)
+    one = host.dummy(torch.float32, dev, (1,))
+    if mode.startswith("fixed"):
+        scale = fixed_point_scale(p.q, w_eff, g)
+        acc = torch.zeros(p.s_kv, p.d, dtype=torch.int64, device=dev)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, acc, scale, p.sm_scale)
+        dk = acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
+        return dq, dk, dw.to(p.weights.dtype)
     dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.float32, device=dev)
     if not deterministic:
-        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, p.sm_scale)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, p.sm_scale)
     else:
         per_q = topk_p * p.d * 4
         wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_q))
@@ -256,7 +310,7 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
             c1 = min(p.s_q, c0 + wave)
             tl_c = tl[c0:c1] if p.topk_length is not None else tl
             fn(p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
-               dq[c0:c1], dw[c0:c1], ws, p.sm_scale)
+               dq[c0:c1], dw[c0:c1], ws, one, p.sm_scale)
             reduce_slot_rows(dk_acc, ws, idx[c0:c1], valid[c0:c1], 1)
     dk = dk_acc.to(p.k.dtype).reshape(p.k_shape)
     return dq, dk, dw.to(p.weights.dtype)

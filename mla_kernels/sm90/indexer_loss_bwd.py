@@ -13,9 +13,17 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
    the same smem tile), scattered into a float32 ``dk`` workspace with 16-byte
    ``red.global.add.v4.f32`` (rearranged so that 8 lanes cover one 128-byte line), or
    (``dk_bulk``) staged in shared memory and added one 256-byte row per
-   ``cp.reduce.async.bulk .add.f32`` (the reduction done by the TMA unit and L2), or -- with
-   ``deterministic`` -- stored to the query's own per-slot workspace rows (the host sums them in a
-   fixed order);
+   ``cp.reduce.async.bulk .add.f32`` (the reduction done by the TMA unit and L2).  Deterministic
+   modes: ``fixed_*`` add ``round(dK * 2^e)`` as 64-bit integers into an int64 ``[s_kv, d]``
+   workspace (integer addition is associative: the sum is the same whatever order the additions
+   arrive in; ``2^e`` comes from the host's bound on every partial sum, see ``indexer_host``) --
+   ``fixed_bulk64`` (the default; fastest measured) stages each whole 64-column chunk in smem and
+   adds one 512-byte row per ``cp.reduce.async.bulk .add.u64`` (3 key stages instead of 4, for
+   smem); ``fixed_bulk`` 32-column pieces (4 stages), ``fixed_bulk2`` 16-column pieces in two
+   alternating buffers (the wait for a piece's smem read overlaps the next piece),
+   ``fixed_bulk32x2`` 32-column pieces in two buffers (3 stages); ``fixed_red`` 8-byte ``red.global.add.u64`` from registers --; ``slots`` stores each slot's row to the query's own
+   workspace rows (the host sums them in a fixed order: sort + segment sum).  ``none`` (profiling
+   only: dk is not formed) measures what the dk additions cost;
 4. ``dS^T`` through shared memory (stmatrix) for ``dq_t += dS K_sel`` (wgmma SS, both operands
    MN-major views), accumulated in registers over the blocks.
 
@@ -41,7 +49,15 @@ from .indexer_loss_fwd import B_TOPK, H, loss_fake_args
 THREADS = 128
 BAR_RING = 1
 BAR_DS = 2
+BAR_DK = 3  # fixed_bulk*: a staging buffer's previous bulk read is done
+BAR_DK2 = 4  # fixed_bulk*: the staged piece is written
 DK_PITCH = 68  # floats per staged dK row (bulk mode): 16-byte aligned, rows 4 banks apart
+#: dk modes: how the per-slot dK rows are added (see the module docstring)
+DK_MODES = ("red", "bulk", "none", "slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2",
+            "fixed_red")
+DETERMINISTIC_MODES = ("slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red")
+#: fixed-point staging: (columns per piece, buffers); staging over 18 KB leaves 3 key stages
+_FIXED_STAGING = {"fixed_bulk": (32, 1), "fixed_bulk2": (16, 2), "fixed_bulk64": (64, 1), "fixed_bulk32x2": (32, 2)}
 K_MAJ = OperandMajorMode.K
 MN_MAJ = OperandMajorMode.MN
 
@@ -49,14 +65,22 @@ MN_MAJ = OperandMajorMode.MN
 class IndexerLossBwdSm90:
     """Static configuration (d, topk_length given, deterministic) + launcher + kernel."""
 
-    def __init__(self, d: int, has_topk_length: bool, deterministic: bool, dk_bulk: bool = False):
+    def __init__(self, d: int, has_topk_length: bool, dk_mode: str = "red"):
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer loss takes d_idx 64 or 128, got {d}")
+        if dk_mode not in DK_MODES:
+            raise ValueError(f"dk_mode {dk_mode!r}: expected one of {DK_MODES}")
         self.d = d
         self.has_topk_length = has_topk_length
-        self.deterministic = deterministic
-        self.dk_bulk = dk_bulk and not deterministic
+        self.dk_mode = dk_mode
+        self.deterministic = dk_mode == "slots"  # per-slot rows (the historical name of that path)
+        self.dk_bulk = dk_mode == "bulk"
+        self.fixed = dk_mode.startswith("fixed")
+        self.piece, self.nbuf = _FIXED_STAGING.get(dk_mode, (32, 1))
+        self.fixed_bulk = dk_mode in _FIXED_STAGING
         self.stages = 4  # two CTAs per SM (registers): deep prefetch of the gathered rows
+        if self.fixed_bulk and self.nbuf * B_TOPK * (self.piece + 2) * 8 > 18 * 1024:
+            self.stages = 3  # two CTAs per SM still fit
         self.smem_bytes = 0
 
     def _mma(self, a_major, b_major, n: int, rs: bool = False):
@@ -78,7 +102,8 @@ class IndexerLossBwdSm90:
         mGrad: cute.Tensor,  # [n_q] f32: d loss / d loss_t
         mDq: cute.Tensor,  # [n_q, 64, d] bf16 (out)
         mDw: cute.Tensor,  # [n_q, 64] f32 (out)
-        mWs: cute.Tensor,  # [s_kv, d] f32 accumulated (atomic) or [n_q * topk, d] f32 (deterministic)
+        mWs: cute.Tensor,  # [s_kv, d] f32 (atomic), [n_q * topk, d] f32 (slots) or [s_kv, d] int64 (fixed)
+        mDkScale: cute.Tensor,  # [1] f32: 2^e of the fixed-point modes (read only by them)
         sm_scale: Float32,
         stream,
     ):
@@ -96,16 +121,19 @@ class IndexerLossBwdSm90:
             sDw: cute.struct.Align[cute.struct.MemRange[Float32, 4 * H], 16]
             sIdx: cute.struct.MemRange[Int32, B_TOPK]
             sDk: cute.struct.Align[cute.struct.MemRange[Float32, B_TOPK * DK_PITCH if self.dk_bulk else 4], 16]
+            sDk64: cute.struct.Align[cute.struct.MemRange[
+                Int64, self.nbuf * B_TOPK * (self.piece + 2) if self.fixed_bulk else 2], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
-        self.kernel(mQ, mK, mW, mIdx, mTopkLen, mTarget, mLse, mInv, mGrad, mDq, mDw, mWs, sm_scale,
+        self.kernel(mQ, mK, mW, mIdx, mTopkLen, mTarget, mLse, mInv, mGrad, mDq, mDw, mWs, mDkScale, sm_scale,
                     sQ_layout, sK_layout, sDS_layout, SharedStorage).launch(
             grid=[mQ.shape[0], 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor, mTopkLen: cute.Tensor,
                mTarget: cute.Tensor, mLse: cute.Tensor, mInv: cute.Tensor, mGrad: cute.Tensor, mDq: cute.Tensor,
-               mDw: cute.Tensor, mWs: cute.Tensor, sm_scale: Float32, sQ_layout: cute.ComposedLayout,
+               mDw: cute.Tensor, mWs: cute.Tensor, mDkScale: cute.Tensor, sm_scale: Float32,
+               sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sDS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
@@ -118,6 +146,11 @@ class IndexerLossBwdSm90:
         sDw = storage.sDw.get_tensor(cute.make_layout(4 * H))
         sIdx = storage.sIdx.get_tensor(cute.make_layout(B_TOPK))
         sDk = storage.sDk.get_tensor(cute.make_layout(B_TOPK * DK_PITCH if self.dk_bulk else 4))
+        if const_expr(self.fixed_bulk):
+            sDk = storage.sDk64.get_tensor(cute.make_layout(self.nbuf * B_TOPK * (self.piece + 2)))
+        dk_scale = Float32(1.0)
+        if const_expr(self.fixed):
+            dk_scale = mDkScale[0]
         s_kv = mK.shape[0]
         topk = mIdx.shape[1]
         topk_len = topk
@@ -174,8 +207,9 @@ class IndexerLossBwdSm90:
         odd = (lane_quad & 1) != 0
         r8 = lane // 4
         srow0 = (tidx // 32) * 16 + 4 * (r8 >> 2) + 8 * (lane_quad & 1)
-        ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (r8 & 3) + 4 * (lane_quad >> 1)) * 4)
-        row_bytes = self.d * 4
+        elem_bytes = 8 if const_expr(self.fixed) else 4
+        ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (r8 & 3) + 4 * (lane_quad >> 1)) * elem_bytes)
+        row_bytes = self.d * elem_bytes
 
         for b in cutlass.range(num_blocks, unroll=1):
             stage = b % self.stages
@@ -228,16 +262,21 @@ class IndexerLossBwdSm90:
                 cute.gemm(mma_q, acc_dq, tQrDS[None, None, k], tQrK[None, None, k, stage], acc_dq)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(1)
-            self._dk_out(acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, 0, t, b, topk, tidx)
+            self._dk_out(acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, 0, t, b, topk, tidx,
+                         dk_scale)
             for ch in cutlass.range_constexpr(1, self.d // 64):
                 self._dk_chunk(thr_k, acc_dk, tKrDS, sQt, ch)
                 cute.nvgpu.warpgroup.wait_group(0)
-                self._dk_out(acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, ch, t, b, topk, tidx)
+                self._dk_out(acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, ch, t, b, topk, tidx,
+                             dk_scale)
             cute.nvgpu.warpgroup.wait_group(0)
             # the stage, sDS and sIdx are refilled next block
             cute.arch.barrier(barrier_id=BAR_RING, number_of_threads=THREADS)
 
         cute.arch.cp_async_wait_group(0)  # q_t's copies of an inactive row
+        if const_expr(self.fixed_bulk):
+            if tidx < B_TOPK:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last pieces' reductions
         # dq_t (bf16) straight from the fragment: rows = heads, 2 consecutive columns per store
         dq_base = dev.gmem_addr_i64(mDq.iterator) + Int64(t) * Int64(H * self.d * 2)
         for r in cutlass.range_constexpr(2):
@@ -269,11 +308,46 @@ class IndexerLossBwdSm90:
 
     @cute.jit
     def _dk_out(self, acc_dk, vec, sIdx, sDk, mWs, ws_base, row_bytes, srow0, odd, r8, ch: cutlass.Constexpr, t, b,
-                topk, tidx):
-        if const_expr(self.dk_bulk):
+                topk, tidx, dk_scale):
+        if const_expr(self.dk_mode == "none"):
+            pass
+        elif const_expr(self.dk_bulk):
             self._bulk(acc_dk, sIdx, sDk, mWs, row_bytes, ch, tidx)
+        elif const_expr(self.fixed_bulk):
+            self._bulk_fixed(acc_dk, sIdx, sDk, mWs, ch, tidx, dk_scale)
         else:
-            self._scatter(acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, ch, t, b, topk)
+            self._scatter(acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, ch, t, b, topk, dk_scale)
+
+    @cute.jit
+    def _bulk_fixed(self, acc_dk, sIdx, sDk, mWs, ch: cutlass.Constexpr, tidx, dk_scale):
+        """Fixed-point dK chunk ``ch`` through smem: per piece of ``self.piece`` columns the 64 rows
+        as int64 in staging buffer ``piece_index % nbuf``, then one bulk integer reduce-add per
+        valid row.  A buffer is rewritten only after its previous bulk read: the issuing threads
+        wait for all but the last ``nbuf - 1`` of their bulk groups before the leading barrier."""
+        lane_quad = tidx % 4
+        piece = self.piece
+        pitch = piece + 2  # int64 per staged row: 16-byte aligned rows
+        n_pieces = 64 // piece
+        for pc in cutlass.range_constexpr(n_pieces):
+            buf = (ch * n_pieces + pc) % self.nbuf
+            cute.arch.barrier(barrier_id=BAR_DK, number_of_threads=THREADS)
+            for r in cutlass.range_constexpr(2):
+                row = dev.fragment_row(tidx, r)
+                for gg in cutlass.range_constexpr(piece // 8):
+                    gi = pc * (piece // 8) + gg
+                    off = (buf * B_TOPK + row) * pitch + 8 * gg + 2 * lane_quad
+                    sDk[off] = idev.f32_to_fixed(acc_dk[dev.acc_flat(0, r, gi)], dk_scale)
+                    sDk[off + 1] = idev.f32_to_fixed(acc_dk[dev.acc_flat(1, r, gi)], dk_scale)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_DK2, number_of_threads=THREADS)
+            if tidx < B_TOPK:
+                kv_row = sIdx[tidx]
+                if kv_row >= 0:
+                    dst = (dev.gmem_addr_i64(mWs.iterator) + Int64(kv_row) * Int64(self.d * 8)
+                           + Int64((ch * 64 + piece * pc) * 8))
+                    src = dev.smem_addr_u32(sDk.iterator) + (buf * B_TOPK + tidx) * (pitch * 8)
+                    idev.bulk_reduce_add_u64(dst, src, Int32(piece * 8), dev.createpolicy_evict_last())
+                dev.bulk_commit_and_wait_read_le(self.nbuf - 1)
 
     @cute.jit
     def _bulk(self, acc_dk, sIdx, sDk, mWs, row_bytes, ch: cutlass.Constexpr, tidx):
@@ -299,7 +373,8 @@ class IndexerLossBwdSm90:
         cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=THREADS)
 
     @cute.jit
-    def _scatter(self, acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, ch: cutlass.Constexpr, t, b, topk):
+    def _scatter(self, acc_dk, vec, sIdx, ws_base, row_bytes, srow0, odd, r8, ch: cutlass.Constexpr, t, b, topk,
+                 dk_scale):
         """Add (or store) the 64 x 64 dK chunk ``ch``: per 32-column half a quad pairing and a 4 x 4
         lane transpose leave instruction ``j`` of a lane with row ``srow0 + j`` and 4 consecutive
         columns, 8 lanes per 128-byte line."""
@@ -316,25 +391,39 @@ class IndexerLossBwdSm90:
                     dst = Int64(kv_row)
                     if const_expr(self.deterministic):
                         dst = Int64(t) * Int64(topk) + Int64(b * B_TOPK + row)
-                    addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 4)
-                    if const_expr(self.deterministic):
+                    if const_expr(self.fixed):  # fixed_red: four 8-byte integer atomics (one 32-byte sector)
+                        addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 8)
+                        for e in cutlass.range_constexpr(4):
+                            idev.red_add_u64(addr + Int64(8 * e), idev.f32_to_fixed(vec[4 * j + e], dk_scale))
+                    elif const_expr(self.deterministic):
+                        addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 4)
                         dev.st_global_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
                     else:
+                        addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 4)
                         dev.red_add_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
 
 
+def dk_mode_of(deterministic: bool, dk_bulk: bool = False, dk_mode=None) -> str:
+    """The dk mode: ``dk_mode`` if given, else ``fixed_bulk64`` (deterministic), ``bulk`` or ``red``."""
+    if dk_mode is not None:
+        return dk_mode
+    return "fixed_bulk64" if deterministic else ("bulk" if dk_bulk else "red")
+
+
 def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", dk_bulk: bool = False,
-                     **kw):
+                     dk_mode=None, **kw):
     """Compile the loss backward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
-    kernel = IndexerLossBwdSm90(d, has_topk_length, deterministic, dk_bulk)
+    mode = dk_mode_of(deterministic, dk_bulk, dk_mode)
+    kernel = IndexerLossBwdSm90(d, has_topk_length, mode)
     extra = [host.fake(Float32, (cute.sym_int(),), align=4) for _ in range(3)]  # lse, inv, grad
     extra += [
         host.fake(BFloat16, (cute.sym_int(), H, d)),  # dq
         host.fake(Float32, (cute.sym_int(), H), align=4),  # dw
-        host.fake(Float32, (cute.sym_int(), d)),  # dk workspace
+        host.fake(Int64 if mode.startswith("fixed") else Float32, (cute.sym_int(), d)),  # dk workspace
+        host.fake(Float32, (1,), align=4),  # fixed-point scale
         Float32(1.0),
         host.fake_stream(),
     ]

@@ -21,6 +21,14 @@ Between 2 and 3 the threshold is refined on the shared candidates (digits of 11 
 digit whose threshold bin is taken whole ends the search) and the candidates are counted per
 warp segment.  A row whose threshold bin holds more than :data:`CAP` keys (heavy ties) refines
 and counts by further passes over the row instead (up to 5 in all).
+
+With ``bitmap`` (default) pass 3 is skipped when the row has at most :data:`MAP_BITS` keys and
+the refined threshold's ties are all taken (``need`` = their count: every row of real-valued
+scores; exact ties beyond ``need`` take the passes above): pass 2 also stores, per 32 keys, the
+warp's ballot of the keys above the first digit's bin (with that bin when it is taken whole) as
+one word of a shared selection bitmap; the refined candidates at or above the threshold are
+or-ed in; the selection is then written from the bitmap (per-thread word ranges, popcounts, a
+block prefix sum) -- no third read of the row.
 """
 
 from __future__ import annotations
@@ -41,17 +49,21 @@ CAP = 4096
 D1 = (21, 11)  # (shift, bits) of the first digit
 REFINE = ((10, 11), (0, 10))  # the finer digits
 BAR = 1
+#: Words of the shared selection bitmap (``bitmap``): rows of at most ``MAP_BITS`` keys.
+MAP_WORDS = 8192
+MAP_BITS = 32 * MAP_WORDS
 
 
 class IndexerTopkSm90:
     """Static configuration (whether the selected scores are returned; ``batch``: warp steps of 32
     keys whose loads are issued together in the ordered passes) + launcher + kernel."""
 
-    def __init__(self, return_logits: bool, batch: int = 4):
+    def __init__(self, return_logits: bool, batch: int = 4, bitmap: bool = True):
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.return_logits = return_logits
         self.batch = batch
+        self.bitmap = bitmap
 
     @cute.jit
     def __call__(
@@ -74,6 +86,7 @@ class IndexerTopkSm90:
             seg_gt: cute.struct.MemRange[Int32, WARPS]
             seg_eq: cute.struct.MemRange[Int32, WARPS]
             found: cute.struct.MemRange[Int32, 4]
+            sel: cute.struct.Align[cute.struct.MemRange[Uint32, MAP_WORDS if self.bitmap else 4], 16]
 
         self.kernel(mScores, mStart, mEnd, mIdx, mLen, mLogits, q0, SharedStorage).launch(
             grid=[mScores.shape[0], 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
@@ -151,6 +164,7 @@ class IndexerTopkSm90:
         sSegGt = storage.seg_gt.get_tensor(cute.make_layout(WARPS))
         sSegEq = storage.seg_eq.get_tensor(cute.make_layout(WARPS))
         sFound = storage.found.get_tensor(cute.make_layout(4))
+        sSel = storage.sel.get_tensor(cute.make_layout(MAP_WORDS if self.bitmap else 4))
         lane = tidx % 32
         warp = tidx // 32
         seg = ((n + THREADS - 1) // THREADS) * 32  # each warp's contiguous segment
@@ -183,7 +197,9 @@ class IndexerTopkSm90:
         prefix = Uint32(b1)
         shift = Int32(D1[0])
         done = cnt == need
+        done1 = done
         use_cand = (cnt <= CAP) & (cnt != need)
+        map_ok = n <= Int32(MAP_BITS if self.bitmap else -1)  # never without the bitmap
 
         # -- pass 2: per-segment counts above / in bin b1; bin b1's keys to smem ---------------
         lt = cute.arch.lanemask_lt()
@@ -199,9 +215,14 @@ class IndexerTopkSm90:
                 hi = key >> Uint32(D1[0])
                 gt = ok & (hi > prefix)
                 eq = ok & (hi == prefix)
-                cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(gt))))
+                gtm = Uint32(cute.arch.vote_ballot_sync(gt))
+                cgt = cgt + Int32(cute.arch.popc(gtm))
                 m = Uint32(cute.arch.vote_ballot_sync(eq))
                 ceq = ceq + Int32(cute.arch.popc(m))
+                if const_expr(self.bitmap):
+                    j0 = w0 + (ib * self.batch + u) * 32
+                    if map_ok and lane == 0 and j0 < w1:  # this warp's word (segments are word-aligned)
+                        sSel[j0 // 32] = Uint32(cutlass.select_(done1, gtm | m, gtm))
                 if use_cand:
                     if m != Uint32(0):
                         base = Int32(0)
@@ -234,20 +255,33 @@ class IndexerTopkSm90:
                     prefix = (prefix << Uint32(d_bits)) | Uint32(b)
                     shift = Int32(d_shift)
                     done = c == need
-            # -- the candidates per warp segment: finer "greater" and "equal" ------------------
-            if tidx < WARPS:
-                sSegEq[tidx] = Int32(0)
-            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-            for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
-                key = sCandKey[tidx + i * THREADS]
-                w = sCandIdx[tidx + i * THREADS] // seg
-                hi = key >> Uint32(shift)
-                if hi > prefix:
-                    cute.arch.atomic_add(sSegGt.iterator + w, Int32(1))
-                if hi == prefix:
-                    cute.arch.atomic_add(sSegEq.iterator + w, Int32(1))
-            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+            if const_expr(self.bitmap):
+                map_ok = map_ok & done
+            if map_ok:
+                # -- every tie taken: the candidates at or above the threshold into the bitmap ----
+                for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                    key = sCandKey[tidx + i * THREADS]
+                    j = sCandIdx[tidx + i * THREADS]
+                    if (key >> Uint32(shift)) >= prefix:
+                        cute.arch.atomic_or(sSel.iterator + (j // 32), Uint32(1) << Uint32(j % 32))
+                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+            else:
+                # -- the candidates per warp segment: finer "greater" and "equal" --------------
+                if tidx < WARPS:
+                    sSegEq[tidx] = Int32(0)
+                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                    key = sCandKey[tidx + i * THREADS]
+                    w = sCandIdx[tidx + i * THREADS] // seg
+                    hi = key >> Uint32(shift)
+                    if hi > prefix:
+                        cute.arch.atomic_add(sSegGt.iterator + w, Int32(1))
+                    if hi == prefix:
+                        cute.arch.atomic_add(sSegEq.iterator + w, Int32(1))
+                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
         else:
+            if const_expr(self.bitmap):
+                map_ok = map_ok & done1  # the bitmap holds bin b1 whole; heavy ties go by the row
             if not done:
                 # -- heavy ties: refine and count by passes over the row -------------------------
                 for p in cutlass.range_constexpr(len(REFINE)):
@@ -266,8 +300,38 @@ class IndexerTopkSm90:
                         shift = Int32(d_shift)
                         done = c == need
                 self.count_segments(row, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp)
-        self.write_selection(row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
-                             lane, warp)
+        if const_expr(self.bitmap):
+            if map_ok:
+                self.write_from_map(row, n, st, t, mIdx, mLogits, sSel, sScratch, tidx)
+            else:
+                self.write_selection(row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt,
+                                     sSegEq, lane, warp)
+        else:
+            self.write_selection(row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
+                                 lane, warp)
+
+    @cute.jit
+    def write_from_map(self, row, n, st, t, mIdx, mLogits, sSel, sScratch, tidx):
+        """The selection from the shared bitmap: thread ``i`` takes a contiguous range of words,
+        its position is the block prefix of the words' popcounts; bits in ascending order."""
+        n_words = (n + 31) // 32
+        wpt = (n_words + THREADS - 1) // THREADS
+        w_lo = cutlass.min(tidx * wpt, n_words)
+        w_hi = cutlass.min(w_lo + wpt, n_words)
+        local = Int32(0)
+        for w in cutlass.range(w_lo, w_hi, unroll=1):
+            local = local + Int32(cute.arch.popc(sSel[w]))
+        pos, _ = idev.block_exclusive_sum(local, sScratch, tidx, WARPS, BAR, THREADS)
+        for w in cutlass.range(w_lo, w_hi, unroll=1):
+            x = sSel[w]
+            for _ in cutlass.range(Int32(cute.arch.popc(x)), unroll=1):
+                low = x & (~x + Uint32(1))
+                j = w * 32 + Int32(cute.arch.popc(low - Uint32(1)))
+                mIdx[t, pos] = st + j
+                if const_expr(self.return_logits):
+                    mLogits[t, pos] = row[j]
+                pos = pos + 1
+                x = x & (x - Uint32(1))
 
     @cute.jit
     def hist_add(self, sHist, key):
@@ -338,14 +402,14 @@ class IndexerTopkSm90:
             xs[u] = x
 
 
-def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, **kw):
+def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, bitmap: bool = True, **kw):
     """Compile the top-k kernel (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     rows, ld, s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(7))
     topk, topk2 = cute.sym_int(), cute.sym_int()
-    kernel = IndexerTopkSm90(return_logits, batch)
+    kernel = IndexerTopkSm90(return_logits, batch, bitmap)
     args = (
         host.fake(Float32, (rows, ld), align=4),
         host.fake(Int32, (s_q,), align=4),
