@@ -135,7 +135,7 @@ def test_compile_fullgraph_decode_merge_indexer_on_cpu():
     fin = torch.isfinite(got[1])
     torch.testing.assert_close(got[3][fin], got[1][fin] + math.log(2.0))
     # a plan is ignored while tracing (the graph allocates its outputs)
-    plan = mk.decode_plan(3, 2, 8, 9, d_qk=32, d_v=dv, dtype=torch.float32)
+    plan = mk.decode_plan(3, 2, 8, 9, d_qk=32, d_v=dv, dtype=torch.float32, device="cpu")
     torch._dynamo.reset()
     got_p = torch.compile(lambda q: mk.sparse_mla_decode(q, cache, idx, scale, dv, tl, sink, block_table=bt,
                                                          q_bias=bias, plan=plan), fullgraph=True,
