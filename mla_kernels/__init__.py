@@ -17,7 +17,8 @@ Public API:
 
 Importing the package also registers the ops as ``torch.library`` custom ops
 (``torch.ops.mla_kernels.sparse_mla_fwd``, ``attn_dist``, ``sparse_mla_bwd``,
-``sparse_mla_decode``, ``merge_attn_partials``, ``indexer_logits``, ``indexer_topk``; see
+``sparse_mla_decode``, ``merge_attn_partials``, ``indexer_logits``, ``indexer_topk``,
+``indexer_loss_fwd``, ``indexer_loss_bwd``; see
 :mod:`mla_kernels.ops`): ``torch.compile`` and ``torch.export`` trace through them.
 """
 

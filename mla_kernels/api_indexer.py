@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from .api import _check_device, _check_scale, _check_tensor, _contig, tracing
+from .api import _check_device, _check_flag, _check_scale, _check_tensor, _contig, tracing
 from .common.problem import IndexerLossProblem, IndexerProblem
 from .reference import compute_dtype
 
@@ -36,6 +36,8 @@ __all__ = [
     "make_indexer_loss_problem",
     "indexer_loss_fwd_problem",
     "indexer_loss_bwd_problem",
+    "indexer_loss_fwd_eager",
+    "indexer_loss_bwd_eager",
 ]
 
 FP8 = torch.float8_e4m3fn
@@ -313,3 +315,50 @@ def indexer_loss_bwd_problem(p: IndexerLossProblem, grad_rows, lse, inv_tsum, de
         return (torch.zeros_like(p.q), torch.zeros(p.k_shape, dtype=p.k.dtype, device=p.device),
                 torch.zeros_like(p.weights))
     return dispatch.select("indexer_loss_bwd", p).indexer_loss_bwd(p, grad_rows, lse, inv_tsum, deterministic)
+
+
+# The bodies of the ``mla_kernels::indexer_loss_fwd`` / ``indexer_loss_bwd`` custom ops (ops.py).  An
+# eager ``indexer_loss`` call does not go through them: it runs ``IndexerLoss`` (autograd_indexer.py)
+# on the same problem functions.
+
+
+def indexer_loss_fwd_eager(q_idx, k_idx, weights, indices, target, sm_scale=1.0, topk_length=None,
+                           deterministic=False, q_scale=None, k_scale=None):
+    """``(rows [s_q], lse [s_q], inv_tsum [s_q])``: the per-row loss of :func:`indexer_loss` and what
+    its backward needs (``deterministic`` only picks the backward's mode)."""
+    _check_flag("deterministic", deterministic)
+    p = make_indexer_loss_problem(q_idx, k_idx, weights, indices, target, sm_scale=sm_scale,
+                                  topk_length=topk_length, q_scale=q_scale, k_scale=k_scale)
+    return indexer_loss_fwd_problem(p)
+
+
+def check_loss_bwd_inputs(q_idx, k_idx, weights, indices, target, grad_rows, lse, inv_tsum, sm_scale=1.0,
+                          topk_length=None, deterministic=False) -> IndexerLossProblem:
+    """Validate the loss backward's inputs (no tensor data is read): the forward's, plus
+    ``grad_rows``, ``lse``, ``inv_tsum`` ``[s_q]`` float on q_idx's device."""
+    _check_flag("deterministic", deterministic)
+    if isinstance(q_idx, torch.Tensor) and q_idx.dtype == FP8:
+        raise ValueError("indexer_loss: float8_e4m3fn inputs are forward-only (no backward); train with "
+                         "bfloat16 (or float32) q_idx / k_idx")
+    p = make_indexer_loss_problem(q_idx, k_idx, weights, indices, target, sm_scale=sm_scale,
+                                  topk_length=topk_length)
+    for name, t in (("grad_rows", grad_rows), ("lse", lse), ("inv_tsum", inv_tsum)):
+        _check_tensor(name, t, f"of shape [s_q]=[{p.s_q}]")
+        if tuple(t.shape) != (p.s_q,):
+            raise ValueError(f"{name} must have shape [s_q]=[{p.s_q}], got {tuple(t.shape)}")
+        if t.dtype not in _W_DTYPES:
+            raise TypeError(f"{name} must be a float tensor (float32), got {t.dtype}")
+        _check_device(name, t, p.device)
+    return p
+
+
+def indexer_loss_bwd_eager(q_idx, k_idx, weights, indices, target, grad_rows, lse, inv_tsum, sm_scale=1.0,
+                           topk_length=None, deterministic=False):
+    """``(dq [q_idx's shape], dk [k_idx's shape], dweights [weights' shape])`` of
+    ``sum_t grad_rows[t] * rows[t]``, from the forward's ``lse`` and ``inv_tsum``."""
+    p = check_loss_bwd_inputs(q_idx, k_idx, weights, indices, target, grad_rows, lse, inv_tsum, sm_scale,
+                              topk_length, deterministic)
+    cdt = _cdt(p.dtype)
+    g, lse, inv_tsum = (_contig(t.detach().to(cdt)) for t in (grad_rows, lse, inv_tsum))
+    dq, dk, dw = indexer_loss_bwd_problem(p, g, lse, inv_tsum, deterministic)
+    return dq, dk.reshape(p.k_shape), dw

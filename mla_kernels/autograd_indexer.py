@@ -5,6 +5,15 @@ The forward runs the backend's fused loss forward (recomputing the selected scor
 softmax and the KL per row) and saves ``lse`` and ``1 / sum(target)`` per row; the backward runs
 the backend's loss backward, which recomputes the scores again and forms
 ``dI = (softmax(I) - p) * g`` and the three gradients.
+
+Eager calls go straight to :class:`IndexerLoss` (no dispatcher cost).  Under ``torch.compile`` /
+``torch.export`` (``torch.compiler.is_compiling()``), :func:`indexer_loss` calls the custom op
+``mla_kernels::indexer_loss_fwd`` instead, whose autograd formula (registered in
+:mod:`mla_kernels.ops`) calls ``mla_kernels::indexer_loss_bwd``: one graph, no break.  Both paths
+run the same problem functions (``indexer_loss_fwd_problem`` / ``indexer_loss_bwd_problem``).
+
+The gradients are not differentiable themselves: a double backward (``create_graph=True``
+followed by a backward through the gradients) raises an error naming this op.
 """
 
 from __future__ import annotations
@@ -13,12 +22,34 @@ from typing import Optional
 
 import torch
 
+from .api import _check_scale, tracing
 from .api_indexer import (
     FP8, REDUCTIONS, indexer_loss_bwd_problem, indexer_loss_fwd_problem, make_indexer_loss_problem,
 )
 from .common.problem import IndexerLossProblem
 
 __all__ = ["IndexerLoss", "indexer_loss"]
+
+DOUBLE_BACKWARD_ERROR = (
+    "mla_kernels.indexer_loss does not support double backward: its gradients (dq_idx, dk_idx, "
+    "dweights) are computed by a backward kernel that has no derivative of its own.  Do not "
+    "differentiate through them (create_graph=True is fine as long as no backward runs through "
+    "indexer_loss's gradients)."
+)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity whose backward raises: attached to the gradients computed under
+    ``create_graph=True`` (the anchors, the op's differentiable inputs, put them in the graph) so
+    that differentiating through them fails loudly instead of giving a silent zero."""
+
+    @staticmethod
+    def forward(ctx, n_grads, *tensors):
+        return tuple(g.view_as(g) for g in tensors[:n_grads])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
 
 class IndexerLoss(torch.autograd.Function):
@@ -29,18 +60,23 @@ class IndexerLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, deterministic, q_idx, k_idx, weights):
         rows, lse, inv_tsum = indexer_loss_fwd_problem(p)
-        ctx.save_for_backward(p.q, p.k, p.weights, p.indices, p.target, p.topk_length, lse, inv_tsum)
+        ctx.save_for_backward(p.q, p.k, p.weights, p.indices, p.target, p.topk_length, lse, inv_tsum,
+                              q_idx, k_idx, weights)
         ctx.meta = (p.sm_scale, p.k_shape, bool(deterministic))
         return rows
 
     @staticmethod
     def backward(ctx, grad_rows):
-        q, k, w, indices, target, topk_length, lse, inv_tsum = ctx.saved_tensors
+        q, k, w, indices, target, topk_length, lse, inv_tsum, *anchors = ctx.saved_tensors
         sm_scale, k_shape, deterministic = ctx.meta
         p = IndexerLossProblem(q, k, w, indices, target, sm_scale, topk_length, None, None, k_shape)
         g = grad_rows.contiguous().to(lse.dtype)
         dq, dk, dw = indexer_loss_bwd_problem(p, g, lse, inv_tsum, deterministic)
-        return None, None, dq, dk.reshape(k_shape), dw
+        dk = dk.reshape(k_shape)
+        anchors = [a for a in anchors if a.requires_grad]
+        if torch.is_grad_enabled() and anchors:  # create_graph=True: a second backward must fail loudly
+            dq, dk, dw = _NoDoubleBackward.apply(3, dq, dk, dw, *anchors)
+        return None, None, dq, dk, dw
 
 
 def indexer_loss(
@@ -94,12 +130,29 @@ def indexer_loss(
                 f"indexer_loss: float8_e4m3fn inputs are forward-only, but {', '.join(grads)} require grad; "
                 f"train with bfloat16 (or float32) q_idx / k_idx, or compute the loss under torch.no_grad()"
             )
+    if tracing():
+        # torch.compile / torch.export: validate the metadata, then the custom op (one graph node)
+        make_indexer_loss_problem(q_idx, k_idx, weights, indices, target, sm_scale=sm_scale,
+                                  topk_length=topk_length, q_scale=q_scale, k_scale=k_scale)
+        rows = torch.ops.mla_kernels.indexer_loss_fwd(
+            q_idx, k_idx, weights, indices, target.detach(), _check_scale(sm_scale), topk_length, deterministic,
+            _det(q_scale), _det(k_scale),
+        )[0]
+        return _reduce(rows, reduction)
     p = make_indexer_loss_problem(q_idx, k_idx, weights, indices, target, sm_scale=sm_scale,
                                   topk_length=topk_length, q_scale=q_scale, k_scale=k_scale)
     if fp8:
         rows = indexer_loss_fwd_problem(p)[0]
     else:
         rows = IndexerLoss.apply(p, deterministic, q_idx, k_idx, weights)
+    return _reduce(rows, reduction)
+
+
+def _det(t):
+    return t.detach() if t is not None else None
+
+
+def _reduce(rows: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return rows
     if reduction == "sum":

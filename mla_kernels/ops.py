@@ -7,7 +7,7 @@ break and an exported program keeps the ops by name.  Importing :mod:`mla_kernel
 them.
 
 When they are used: the public functions (``mla_kernels.sparse_mla_fwd``, ``attn_dist``,
-``sparse_mla_bwd``, ``sparse_mla``) call these ops only while tracing
+``sparse_mla_bwd``, ``sparse_mla``, ``indexer_loss``, ...) call these ops only while tracing
 (``torch.compiler.is_compiling()``); an eager call runs the function's body directly, because
 the dispatcher costs tens of microseconds per call.  Each op's implementation *is* that eager
 body (``api.*_eager``), so both paths compute the same thing.
@@ -44,12 +44,21 @@ op                          schema (positional arguments as the public function'
                             k_end=None, q_scale=None, k_scale=None, return_logits=False)
                             -> (indices, topk_length, logits)``; ``logits`` is ``[0]`` without
                             ``return_logits``
+``indexer_loss_fwd``        ``(q_idx, k_idx, weights, indices, target, sm_scale=1.0,
+                            topk_length=None, deterministic=False, q_scale=None, k_scale=None)
+                            -> (rows, lse, inv_tsum)``: :func:`mla_kernels.indexer_loss`'s
+                            arguments but ``reduction`` (the public function reduces ``rows
+                            [s_q]`` itself); differentiable in ``q_idx``, ``k_idx``, ``weights``
+                            through ``rows`` (``lse``, ``inv_tsum`` ``[s_q]`` are what the backward
+                            needs and carry no gradient); ``deterministic`` picks the backward's
+                            mode
+``indexer_loss_bwd``        ``(q_idx, k_idx, weights, indices, target, grad_rows, lse, inv_tsum,
+                            sm_scale=1.0, topk_length=None, deterministic=False)
+                            -> (dq, dk, dweights)`` in the shapes and dtypes of ``q_idx``,
+                            ``k_idx``, ``weights``; not differentiable (a double backward raises)
 ==========================  =====================================================================
 
-Not an op yet: ``indexer_loss`` (an ``autograd.Function`` in ``autograd_indexer.py``; under
-``torch.compile`` dynamo traces into it and breaks the graph at its kernels' data-dependent parts).
-
-Adding an op (``indexer_loss`` next) takes three steps:
+Adding an op takes three steps:
 
 1. ``api.py``: the eager body ``foo_eager(...)`` (validation + dispatch, as today), and the public
    ``foo(...)`` that, under :func:`mla_kernels.api.tracing`, checks its inputs' metadata and
@@ -340,6 +349,100 @@ def _(q_idx, k_idx, weights, topk, sm_scale=1.0, k_start=None, k_end=None, q_sca
     )
 
 
+# --------------------------------------------------------------------------------------------
+# indexer_loss_fwd (+ the autograd formula of indexer_loss), indexer_loss_bwd
+# --------------------------------------------------------------------------------------------
+
+
+@custom_op("indexer_loss_fwd")
+def _indexer_loss_fwd(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    indices: Tensor,
+    target: Tensor,
+    sm_scale: float = 1.0,
+    topk_length: Optional[Tensor] = None,
+    deterministic: bool = False,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    rows, lse, inv_tsum = api_indexer.indexer_loss_fwd_eager(q_idx, k_idx, weights, indices, target, sm_scale,
+                                                             topk_length, deterministic, q_scale, k_scale)
+    return rows, lse, inv_tsum
+
+
+@_indexer_loss_fwd.register_fake
+def _(q_idx, k_idx, weights, indices, target, sm_scale=1.0, topk_length=None, deterministic=False, q_scale=None,
+      k_scale=None):
+    api._check_flag("deterministic", deterministic)
+    p = api_indexer.make_indexer_loss_problem(q_idx, k_idx, weights, indices, target, sm_scale=sm_scale,
+                                              topk_length=topk_length, q_scale=q_scale, k_scale=k_scale)
+    cdt = api_indexer._cdt(p.dtype)
+    return tuple(q_idx.new_empty((p.s_q,), dtype=cdt) for _ in range(3))
+
+
+def _loss_setup_context(ctx, inputs, output):
+    q_idx, k_idx, weights, indices, target, sm_scale, topk_length, deterministic, _q_scale, _k_scale = inputs
+    _rows, lse, inv_tsum = output
+    ctx.save_for_backward(q_idx, k_idx, weights, indices, target, topk_length, lse, inv_tsum)
+    ctx.sm_scale, ctx.deterministic = sm_scale, deterministic
+
+
+def _loss_backward(ctx, d_rows, _d_lse, _d_inv_tsum):
+    q_idx, k_idx, weights, indices, target, topk_length, lse, inv_tsum = ctx.saved_tensors
+    if d_rows is None:
+        d_rows = torch.zeros_like(lse)
+    dq, dk, dw = torch.ops.mla_kernels.indexer_loss_bwd(
+        q_idx, k_idx, weights, indices, target, d_rows.contiguous(), lse, inv_tsum, ctx.sm_scale, topk_length,
+        ctx.deterministic,
+    )
+    return dq, dk, dw, None, None, None, None, None, None, None
+
+
+_indexer_loss_fwd.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+
+
+@custom_op("indexer_loss_bwd")
+def _indexer_loss_bwd(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    weights: Tensor,
+    indices: Tensor,
+    target: Tensor,
+    grad_rows: Tensor,
+    lse: Tensor,
+    inv_tsum: Tensor,
+    sm_scale: float = 1.0,
+    topk_length: Optional[Tensor] = None,
+    deterministic: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dw = api_indexer.indexer_loss_bwd_eager(q_idx, k_idx, weights, indices, target, grad_rows, lse,
+                                                    inv_tsum, sm_scale, topk_length, deterministic)
+    return dq, dk, dw
+
+
+@_indexer_loss_bwd.register_fake
+def _(q_idx, k_idx, weights, indices, target, grad_rows, lse, inv_tsum, sm_scale=1.0, topk_length=None,
+      deterministic=False):
+    api_indexer.check_loss_bwd_inputs(q_idx, k_idx, weights, indices, target, grad_rows, lse, inv_tsum, sm_scale,
+                                      topk_length, deterministic)
+    return (
+        torch.empty_like(q_idx, memory_format=torch.contiguous_format),
+        k_idx.new_empty(k_idx.shape),
+        torch.empty_like(weights, memory_format=torch.contiguous_format),
+    )
+
+
+def _no_loss_double_backward(ctx, *grads):
+    from .autograd_indexer import DOUBLE_BACKWARD_ERROR
+
+    raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+_indexer_loss_bwd.register_autograd(_no_loss_double_backward, setup_context=_no_setup)
+
+
 #: The ops defined here, by name (``torch.ops.mla_kernels.<name>``).
 OPS = {
     "sparse_mla_fwd": _sparse_mla_fwd,
@@ -349,4 +452,6 @@ OPS = {
     "merge_attn_partials": _merge_attn_partials,
     "indexer_logits": _indexer_logits,
     "indexer_topk": _indexer_topk,
+    "indexer_loss_fwd": _indexer_loss_fwd,
+    "indexer_loss_bwd": _indexer_loss_bwd,
 }
