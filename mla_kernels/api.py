@@ -877,8 +877,8 @@ def sparse_mla_decode(
         rows with no valid slot give ``out = 0``, ``lse = +inf``.  With a plan these are the
         plan's buffers (overwritten by its next call).
     """
-    if plan is not None and _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink,
-                                             block_table, q_bias):
+    if plan is not None and not tracing() and _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v,
+                                                               topk_length, attn_sink, block_table, q_bias):
         return plan.backend.decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias)
     if tracing():  # a plan's buffers cannot be a traced op's outputs: the compiled graph allocates them
         _decode_inputs(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, attn_sink, block_table, q_bias)
