@@ -602,28 +602,11 @@ def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32, *, loc=None, ip=None) 
 
 
 @dsl_user_op
-def st_async_v4_f32(remote_addr: Int32, a: Float32, b: Float32, c: Float32, d: Float32, remote_mbar: Int32,
-                    *, loc=None, ip=None) -> None:
-    """``st.async`` of 16 bytes into a peer CTA's shared memory (``remote_addr``: a shared::cluster
-    address from :func:`mapa_shared`); the store completes ``16`` bytes of transaction count on the
-    peer's mbarrier ``remote_mbar`` (shared::cluster address)."""
-    llvm.inline_asm(
-        None,
-        [Int32(remote_addr).ir_value(loc=loc, ip=ip)]
-        + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
-        + [Int32(remote_mbar).ir_value(loc=loc, ip=ip)],
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];",
-        "r,f,f,f,f,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
 def st_async_v4_b32(remote_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, remote_mbar: Int32,
                     *, loc=None, ip=None) -> None:
-    """:func:`st_async_v4_f32` for four 32-bit words (e.g. eight packed bf16)."""
+    """``st.async`` of 16 bytes (four 32-bit words, e.g. eight packed bf16) into a peer CTA's
+    shared memory (``remote_addr``: a shared::cluster address from :func:`mapa_shared`); the store
+    completes 16 bytes of transaction count on the peer's mbarrier ``remote_mbar``."""
     llvm.inline_asm(
         None,
         [Int32(remote_addr).ir_value(loc=loc, ip=ip)]
@@ -640,7 +623,8 @@ def st_async_v4_b32(remote_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint
 @dsl_user_op
 def ld_shared_v4_bf16x2_f32(smem_addr: Int32, *, loc=None, ip=None):
     """A 16-byte shared-memory load of eight bf16 (four words, low half first), widened to eight
-    floats; kept in program order like :func:`ld_shared_v4_f32`."""
+    floats; kept in program order (side effects) so that it never moves above the mbarrier wait
+    that publishes the data."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32()] * 8),
         [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
@@ -655,22 +639,6 @@ def ld_shared_v4_bf16x2_f32(smem_addr: Int32, *, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(8))
-
-
-@dsl_user_op
-def ld_shared_v4_f32(smem_addr: Int32, *, loc=None, ip=None):
-    """A 16-byte shared-memory load of four floats (32-bit shared address); kept in program order
-    (side effects) so that it never moves above the mbarrier wait that publishes the data."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 @dsl_user_op

@@ -130,8 +130,7 @@ class SparseMlaBwdSm90:
         # Which warpgroups' chunks go through the exchange (the others scatter whole chunks from
         # both CTAs).  Deterministic rows need every chunk summed (one row per pair and slot).
         self.ex_wgs = (pair_sum, pair_sum)
-        if deterministic:
-            self.ex_wgs = (pair_sum, pair_sum)
+        assert not deterministic or self.ex_wgs == (pair_sum, pair_sum)
         self.ws_row_heads = 2 * B_H if pair_sum else B_H  # deterministic rows per (token, slot)
         self.n_k_tiles = d_qk // 64
         # d_qk 576 has no free smem for the landing areas (8 KB per exchanging WG): they borrow the
@@ -877,7 +876,6 @@ class _Exchange:
 
     def __init__(self, kernel: SparseMlaBwdSm90, storage, mbar, wg, idx_in_wg, h_blk):
         # few live registers: the peer's addresses are mapped (mapa) where they are used
-        self.on = kernel.pair_sum
         self.land_in_kv = kernel.land_in_kv
         self.rank = Int32(0)
         both = kernel.ex_wgs[0] and kernel.ex_wgs[1]
