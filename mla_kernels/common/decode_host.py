@@ -8,7 +8,7 @@ Argument contract of a decode kernel (``sm90/decode.py``, ``sm90/decode_narrow.p
      attn_sink [h_q | 1] f32, out, lse, max_logits, scale_log2 f32, flags i32, page_size i32,
      tl_stride_b i32, tl_stride_s i32, n_splits i32, blocks_per_split i32, stream)
 
-``out`` is ``[n_splits, b*s_q, h_q, d_v]`` float32 (split mode) or ``[b, s_q, h_q, d_v]`` bf16
+``out`` is ``[n_splits, b*s_q, h_q, d_v]`` float32 or bf16 (split mode; ``MLA_KERNELS_DECODE_PARTS``) or ``[b, s_q, h_q, d_v]`` bf16
 (direct mode); ``lse`` / ``max_logits`` ``[n_splits, b*s_q, h_q]`` or ``[b, s_q, h_q]`` float32.
 The fused split kernels (the combine folded in: ``common/decode_device.py``) take four more
 after ``max_logits``: the merged ``out [b, s_q, h_q, d_v]`` bf16, ``lse`` and ``max_logits
@@ -37,13 +37,13 @@ F_SINK = 8
 F_MAX_LOGITS = 16
 
 
-def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False):
+def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, parts_bf16: bool = False):
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     b, s_q, nb, pages, psz, b2, s2, topk, nbt, maxp, ntl, ns = (cute.sym_int() for _ in range(12))
     o0, o1, l0, l1, m0, m1 = (cute.sym_int() for _ in range(6))
-    o_dtype = Float32 if split else BFloat16
+    o_dtype = Float32 if split and not parts_bf16 else BFloat16
     tail = ()
     if fused:
         f0, f1, g0, g1, k0, k1, nc = (cute.sym_int() for _ in range(7))
@@ -79,7 +79,9 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False):
 def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False, **kw):
     from .. import _compile
 
-    return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused), arch=arch, **kw)
+    parts_bf16 = split and getattr(kernel, "parts_bf16", False)
+    return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
+                                           **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +129,9 @@ ENV_PDL = "MLA_KERNELS_DECODE_PDL"
 ENV_L2_PREFETCH = "MLA_KERNELS_DECODE_L2_PREFETCH"
 ENV_COMBINE = "MLA_KERNELS_DECODE_COMBINE"
 ENV_L2_POLICY = "MLA_KERNELS_DECODE_L2_POLICY"
+ENV_PARTS = "MLA_KERNELS_DECODE_PARTS"
+PARTS_DTYPES = ("f32", "bf16")
+DEFAULT_PARTS = "f32"
 COMBINE_MODES = ("separate", "fused")
 DEFAULT_COMBINE = "separate"
 
@@ -142,6 +147,19 @@ def combine_mode() -> str:
     if mode not in COMBINE_MODES:
         raise ValueError(f"{ENV_COMBINE}={mode!r}: expected one of {', '.join(COMBINE_MODES)}")
     return mode
+
+
+def parts_dtype_name() -> str:
+    """The dtype of a split plan's partial outputs, read when a plan is made:
+    ``MLA_KERNELS_DECODE_PARTS`` = ``f32`` (default) or ``bf16`` (half the bytes the split kernel
+    stores and the combine reads; each part rounded to bf16 once before the merge).  The fused
+    combine always uses float32 parts."""
+    import os
+
+    v = os.environ.get(ENV_PARTS, DEFAULT_PARTS).strip()
+    if v not in PARTS_DTYPES:
+        raise ValueError(f"{ENV_PARTS}={v!r}: expected one of {', '.join(PARTS_DTYPES)}")
+    return v
 
 
 def l2_evict_first(h_q: int) -> bool:
@@ -188,14 +206,21 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     fused = split and combine_mode() == "fused"
     plan.state["fused"] = fused
     ef = l2_evict_first(plan.h_q)
+    parts = "bf16" if split and not fused and parts_dtype_name() == "bf16" else "f32"
     kw = dict(l2_prefetch=pf, fused=True) if fused else dict(l2_prefetch=pf)
     if ef:
         kw["evict_first"] = True
+    if parts == "bf16":
+        kw["parts_bf16"] = True
+        # the plan's workspace in the kernel's partial dtype
+        plan.out_parts = torch.zeros(plan.out_parts.shape, dtype=torch.bfloat16, device=plan.device)
+    plan.state["parts"] = parts
     if plan.h_q in NARROW_HEADS:
-        kern = _compile.cached_compile(("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, arch),
-                                       lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, **kw))[1]
+        kern = _compile.cached_compile(
+            ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
+            lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     else:
-        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, arch),
+        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
                                        lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
     st = plan.state
@@ -212,8 +237,8 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
         plan.counters = torch.zeros(rows, dtype=torch.int32, device=dev)
     elif split:
         n = plan.num_splits
-        st["combine"] = _compile.cached_compile(("LseCombine", plan.d_v, "f32", "bf16", pdl, arch),
-                                                lambda: compile_combine(plan.d_v, "f32", "bf16", arch, pdl=pdl))[1]
+        st["combine"] = _compile.cached_compile(("LseCombine", plan.d_v, parts, "bf16", pdl, arch),
+                                                lambda: compile_combine(plan.d_v, parts, "bf16", arch, pdl=pdl))[1]
         st["parts3"] = plan.out_parts.view(n, T * h, plan.d_v)
         st["lse_parts2"] = plan.lse_parts.view(n, T * h)
         st["out2"] = plan.out.view(T * h, plan.d_v)

@@ -137,15 +137,17 @@ def load_q_tile(
             )
 
 
+@cute.jit
 def topk_len_of(mTL, flags: Int32, b_idx: Int32, s_idx: Int32, tl_stride_b: Int32, tl_stride_s: Int32, topk):
     """This token's ``topk_length`` clamped to ``[0, topk]`` (``topk`` without the flag).
 
     ``mTL`` is 1-D: ``[b]`` (strides ``(1, 0)``) or a flattened ``[b, s_q]`` (``(s_q, 1)``)."""
-    use = flag(flags, F_TOPK_LENGTH)
-    i = Int32(cutlass.select_(use, b_idx * tl_stride_b + s_idx * tl_stride_s, Int32(0)))
-    v = mTL[i]
-    v = cutlass.min(cutlass.max(v, Int32(0)), topk)
-    return Int32(cutlass.select_(use, v, topk))
+    # Without the flag nothing is loaded: the load would sit on every CTA's critical path
+    # (num_iters and the producer's first slot check wait for it).
+    v = Int32(topk)
+    if flag(flags, F_TOPK_LENGTH):
+        v = cutlass.min(cutlass.max(mTL[b_idx * tl_stride_b + s_idx * tl_stride_s], Int32(0)), topk)
+    return v
 
 
 def split_range(split: Int32, blocks_per_split: Int32, topk_len: Int32):

@@ -67,28 +67,31 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
 
 
 def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128,
-                   fused: bool = False, evict_first: bool = False, **kw):
+                   fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, **kw):
     """Compile the sm90 split decode for h_q a multiple of 64 (no GPU needed); ``fused`` (split
-    only): the combine folded in."""
+    only): the combine folded in; ``parts_bf16`` (split, not fused): bf16 partial outputs."""
     from ..common.decode_host import compile_decode_kernel
     from .decode import SparseMlaDecodeSm90, SparseMlaDecodeSm90Fused
 
     fused = fused and split
     kernel = (SparseMlaDecodeSm90Fused(d_qk, l2_prefetch=l2_prefetch, evict_first=evict_first) if fused
-              else SparseMlaDecodeSm90(d_qk, split, l2_prefetch=l2_prefetch, evict_first=evict_first))
+              else SparseMlaDecodeSm90(d_qk, split, l2_prefetch=l2_prefetch, evict_first=evict_first,
+                                       parts_bf16=parts_bf16))
     return compile_decode_kernel(kernel, d_qk, h_q, split, arch, fused=fused, **kw)
 
 
 def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128,
-                          fused: bool = False, evict_first: bool = False, **kw):
+                          fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, **kw):
     """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed);
-    ``fused`` (split only): the combine folded in."""
+    ``fused`` (split only): the combine folded in; ``parts_bf16`` (split, not fused): bf16 partial
+    outputs."""
     from ..common.decode_host import compile_decode_kernel
     from .decode_narrow import SparseMlaDecodeNarrowSm90, SparseMlaDecodeNarrowSm90Fused
 
     fused = fused and split
     kernel = (SparseMlaDecodeNarrowSm90Fused(d_qk, h_q, l2_prefetch=l2_prefetch, evict_first=evict_first) if fused
-              else SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch, evict_first=evict_first))
+              else SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch, evict_first=evict_first,
+                                             parts_bf16=parts_bf16))
     return compile_decode_kernel(kernel, d_qk, h_q, split, arch, fused=fused, **kw)
 
 

@@ -3,7 +3,7 @@
 Split-top-k flash-decoding with the prefill forward's CTA (``sm90/fwd.py``): one CTA per
 (decode token, 64-head block, split) processes the split's top-k blocks of 64 slots and writes
 
-* split mode: a float32 partial ``out_parts[split, token, head, :]`` normalised by the split's own
+* split mode: a float32 (or bf16: ``parts_bf16``) partial ``out_parts[split, token, head, :]`` normalised by the split's own
   softmax sum, its ``lse`` (``+inf`` for an empty split) and optionally its ``max_logits``; the
   lse combine (``common/combine.py``) merges the splits and applies the sink;
 * direct mode (one split covers the request): the bf16 ``out`` with the sink applied, ``lse`` and
@@ -53,7 +53,7 @@ class SparseMlaDecodeSm90:
     """Static configuration + host launcher + device kernel of the sm90 split decode (h_q % 64 == 0)."""
 
     def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128, fused: bool = False,
-                 evict_first: bool = False):
+                 evict_first: bool = False, parts_bf16: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 decode supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -63,6 +63,9 @@ class SparseMlaDecodeSm90:
         self.split = split
         # split mode only: the last CTA of a row merges the parts (common/decode_device.py)
         self.fused = fused and split
+        # split mode, not fused: bf16 partial outputs (the combine reads half the bytes)
+        self.parts_bf16 = parts_bf16 and split and not self.fused
+        self.f32_out = split and not self.parts_bf16  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         self.n_k_tiles = d_qk // 64
@@ -365,12 +368,12 @@ class SparseMlaDecodeSm90:
         my_head = Int32(cutlass.select_(odd, head1, head0))
         col0 = wg * (self.d_v // 2) + 4 * (lane_quad // 2)
         base = dp.out_row_offset(split, n_tok, token, h_q, my_head, self.d_v) + col0
-        elem_bytes = 4 if const_expr(self.split) else 2
+        elem_bytes = 4 if const_expr(self.f32_out) else 2
         o_addr = dev.gmem_addr_i64(mO.iterator) + base * elem_bytes
         for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
             v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
             addr = o_addr + (8 * g) * elem_bytes
-            if const_expr(self.split):
+            if const_expr(self.f32_out):
                 dev.st_global_v4_f32(addr, v0, v1, v2, v3)
             else:
                 dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))

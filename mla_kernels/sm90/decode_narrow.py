@@ -58,7 +58,7 @@ class SparseMlaDecodeNarrowSm90:
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
     def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
-                 fused: bool = False, evict_first: bool = False):
+                 fused: bool = False, evict_first: bool = False, parts_bf16: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -71,6 +71,9 @@ class SparseMlaDecodeNarrowSm90:
         self.split = split
         # split mode only: the last CTA of a token merges the parts (common/decode_device.py)
         self.fused = fused and split
+        # split mode, not fused: bf16 partial outputs (the combine reads half the bytes)
+        self.parts_bf16 = parts_bf16 and split and not self.fused
+        self.f32_out = split and not self.parts_bf16  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         self.n_k_tiles = d_qk // 64
@@ -535,7 +538,7 @@ class SparseMlaDecodeNarrowSm90:
             cute.autovec_copy(cute.make_tensor((sStage.iterator + (head * stride + 4 * idx_in_wg)).align(16), vec), rv)
             rv.store(rv.load() * sStage[inv_base + head])
             off = base + Int64(head) * self.d_v
-            if const_expr(self.split):
+            if const_expr(self.f32_out):
                 cute.autovec_copy(rv, cute.make_tensor((mO.iterator + off).align(16), vec))
             else:
                 rb.store(rv.load().to(BFloat16))

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Patched copies of the decode path that drop one phase each, for tools/ab_decode.py (profiling
+by subtraction: the time a phase costs is the full step's minus the variant's).
+
+  python tools/decode_variants.py OUT_DIR        # then: tools/ab_decode.py --variant NAME=OUT_DIR/NAME ...
+
+Variants (each a copy of this checkout's ``mla_kernels`` with one edit; results are wrong by
+design, only the timing means something):
+
+* ``base``     -- ``git HEAD``'s package unchanged (the reference of an A/B against the work tree)
+* ``nocomb``   -- the split step without its combine launch
+* ``nogather`` -- the KV cp.async copies read nothing (zero-fill), index and block-table loads kept
+* ``noload``   -- no KV reads and no index / block-table loads (every slot row 0, valid)
+* ``nostore``  -- the epilogue's O stores dropped (64-head kernel and narrow kernel)
+* ``empty``    -- every split processes no block (launch, Q load, epilogue, combine only)
+* ``nosoftmax``-- the 64-head kernel's online softmax skipped (masks and PV kept)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import io
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DP = "mla_kernels/common/decode_parts.py"
+DH = "mla_kernels/common/decode_host.py"
+DD = "mla_kernels/common/decode_device.py"
+DEC = "mla_kernels/sm90/decode.py"
+NAR = "mla_kernels/sm90/decode_narrow.py"
+
+EDITS = {
+    "nocomb": {DH: [('        st["combine"](st["parts3"]', '        0 and st["combine"](st["parts3"]', 1)]},
+    "nogather": {DP: [("                    self.ok[slot_b, j],\n                    self.policy,",
+                       "                    Boolean(False),\n                    self.policy,", 1)]},
+    "noload": {
+        DP: [("                    self.ok[slot_b, j],\n                    self.policy,",
+              "                    Boolean(False),\n                    self.policy,", 1),
+             ("    def index_at(self, slot):\n        pos = self.mIdx[",
+              "    def index_at(self, slot):\n        return Int32(0), slot < self.topk_len\n        pos = self.mIdx[", 1)],
+    },
+    "nostore": {
+        DEC: [("                dev.st_global_v4_f32(addr, v0, v1, v2, v3)", "                pass", 1),
+              ("                dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))",
+               "                pass", 1)],
+        NAR: [("                cute.autovec_copy(rv, cute.make_tensor((mO.iterator + off).align(16), vec))",
+               "                pass", 1),
+              ("                cute.autovec_copy(rb, cute.make_tensor((mO.iterator + off).align(8), vec))",
+               "                pass", 1)],
+    },
+    "empty": {DP: [("    return blk0, (n_blocks + 1) // 2, bound", "    return blk0, Int32(0) * n_blocks, bound", 1)]},
+    "nosoftmax": {DD: [("                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])\n", "", 1),
+                       ("                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])\n",
+                        "", 1)]},
+}
+
+
+def copy_pkg(dst: str) -> None:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(os.path.join(ROOT, "mla_kernels"), os.path.join(dst, "mla_kernels"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def make(out: str, names=None) -> None:
+    os.makedirs(out, exist_ok=True)
+    if names is None or "base" in names:
+        dst = os.path.join(out, "base")
+        shutil.rmtree(dst, ignore_errors=True)
+        os.makedirs(dst)
+        blob = subprocess.run(["git", "-C", ROOT, "archive", "HEAD", "mla_kernels"], check=True,
+                              capture_output=True).stdout
+        tarfile.open(fileobj=io.BytesIO(blob)).extractall(dst)
+    for name, files in EDITS.items():
+        if names is not None and name not in names:
+            continue
+        dst = os.path.join(out, name)
+        copy_pkg(dst)
+        for f, edits in files.items():
+            p = os.path.join(dst, f)
+            s = open(p).read()
+            for a, b, n in edits:
+                assert s.count(a) == n, (name, f, a, s.count(a))
+                s = s.replace(a, b)
+            open(p, "w").write(s)
+    print(f"variants in {out}")
+
+
+if __name__ == "__main__":
+    make(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, ".var"), sys.argv[2:] or None)
