@@ -141,6 +141,20 @@ def test_decode_every_option_split(h, b, s_q, topk, combine, monkeypatch):
             assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
 
 
+@pytest.mark.parametrize("h", [16, 128])
+@pytest.mark.parametrize("b,s_q,topk", [(1, 1, 2048), (3, 2, 512)])
+def test_decode_bf16_parts(h, b, s_q, topk, monkeypatch):
+    # MLA_KERNELS_DECODE_PARTS=bf16: the split kernels write bf16 partials, the combine reads them
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_PARTS", "bf16")
+    c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=5 + h + b)
+    plan = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True)
+    assert plan.num_splits > 1 and plan.out_parts.dtype == torch.bfloat16
+    plan.max_logits.fill_(math.nan)
+    out, lse, sc = run(c, plan=plan)
+    check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
+
+
 @pytest.mark.parametrize("h,b,s_q", [(16, 140, 1), (64, 140, 1), (128, 35, 2), (32, 70, 2)])
 def test_decode_direct_mode(h, b, s_q, monkeypatch):
     # b * s_q * head blocks >= SMs: one split, bf16 written by the decode kernel (no combine)

@@ -21,7 +21,6 @@ first variant's (a patched variant that drops a phase is expected to differ).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
         _, b, s_q, h_q, topk, _, _ = cases[cname]
         sets = bd.make_sets(args.sets, b, s_q, h_q, topk, seq_len, dev, torch.bfloat16)
         bt = bt_all[:b].contiguous()
-        steps, outs, nsplit = {}, {}, {}
+        steps, outs, nsplit, keep = {}, {}, {}, []
         for name, _, env, splits in specs:
             mk = mods[name]
             saved = {k: os.environ.get(k) for k in env}
@@ -97,6 +96,7 @@ def main(argv=None) -> int:
                     else:
                         os.environ[k] = v
             nsplit[name] = plan.num_splits
+            keep.append(plan)  # a captured graph writes into the plan's buffers: keep them alive
 
             def call(i, mk=mk, plan=plan):
                 q, pos = sets[i]
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
             print(f"{cname:<20} {n:<12} splits {nsplit[n]:3d} {us:8.2f} us  IQR {q1:.2f}-{q3:.2f}  "
                   f"{fl / us / 1e6:7.1f} TFLOPS  {byts / us / 1e3:7.0f} GB/s  ratio vs {names[0]}: "
                   f"{statistics.median(ratios[n]):.4f}  max|d out| {dev_max / scale:.2e}", flush=True)
-        del steps, outs, sets
+        torch.cuda.synchronize()
+        del steps, outs, sets, keep
         torch.cuda.empty_cache()
     return 0
 
