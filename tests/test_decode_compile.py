@@ -37,9 +37,7 @@ def test_decode_head_block_kernel(report):
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
     assert base.get("LDGSTS", 0) == 72  # 9 tiles x 4 rows x 2 buffers: the KV gather
     assert base.get("UTMALDG", 0) == 0  # Q arrives through registers (q_bias fused)
-    # float32 partial rows staged in smem (16-byte stores), then one bulk copy per head row
-    assert sass.get("STS.128", 0) >= 32 and sass.get("UBLKCP.G.S", 0) == 1
-    assert sass.get("STG.E.128", 0) == 0
+    assert sass.get("STG.E.128", 0) >= 32  # float32 partial rows as 16-byte stores
 
 
 @pytest.mark.parametrize("name,h", [("sm90_decode_narrow_d576_h16_direct", 16)])

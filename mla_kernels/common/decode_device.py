@@ -171,53 +171,6 @@ def issue_mma(
     cute.nvgpu.warpgroup.commit_group()
 
 
-@dsl_user_op
-def bulk_store(gmem_addr, smem_addr: Int32, nbytes: int, *, loc=None, ip=None) -> None:
-    """``cp.async.bulk`` shared -> global of ``nbytes`` (a multiple of 16; both addresses 16-byte
-    aligned), committed as this thread's bulk group and waited for to completion (the bytes are
-    in global memory, and the smem may be reused, when it returns)."""
-    llvm.inline_asm(
-        None,
-        [cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        f"cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], {int(nbytes)};\n\t"
-        "cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group 0;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def st_shared_v4_f32(smem_addr: Int32, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None,
-                     ip=None) -> None:
-    """A 16-byte vector store of four floats to shared memory (32-bit shared address)."""
-    llvm.inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
-        "r,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def issue_mma_split_k(accs, tA: cute.Tensor, tB: cute.Tensor, n_k: int, m: int, n: int, a_major, b_major) -> None:
-    """Issue and commit ``sum_k A[:, :, k] B[:, :, k]`` over ``k < n_k`` into ``len(accs)``
-    accumulators, k-step ``k`` into ``accs[k % len(accs)]`` (each overwritten by its first
-    product); the caller sums them after the wait.  For small-N products (the narrow kernel's
-    S^T = K Q^T, N = h_q) one accumulator makes a chain of ``n_k`` dependent wgmmas whose latency,
-    not the tensor throughput, sets the time; independent chains overlap."""
-    mma = tiled_mma(m, n, a_major, b_major)
-    n_acc = len(accs)
-    cute.nvgpu.warpgroup.fence()
-    for k in range(n_k):
-        mma.set(warpgroup.Field.ACCUMULATE, k >= n_acc)
-        cute.gemm(mma, accs[k % n_acc], tA[None, None, k], tB[None, None, k], accs[k % n_acc])
-    cute.nvgpu.warpgroup.commit_group()
-
-
 B_H = 64  # heads per CTA of the paired schedule (one wgmma M tile)
 B_TOPK = 64  # slots per block
 

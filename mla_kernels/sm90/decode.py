@@ -47,10 +47,6 @@ BAR_S0_READY = 3
 BAR_S1_READY = 4
 BAR_L_READY = 5
 BAR_Q_READY = 6  # Q (+ bias) stored by the consumers
-BAR_STAGED = 7  # split mode: O staged in smem for the bulk stores (256 consumer threads)
-# split mode: the float32 O rows are staged in smem (over the free Q and KV tiles) with this row
-# pitch -- 32 bytes of padding shift each row by 8 banks, so the fragment stores are conflict-free
-STAGE_PITCH = 512 * 4 + 32
 
 
 class SparseMlaDecodeSm90:
@@ -75,11 +71,6 @@ class SparseMlaDecodeSm90:
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
-        # split float32 parts: O staged in smem, then one bulk copy per head row (16-byte register
-        # stores scatter 32-byte pieces over 16 rows per warp instruction: ~4096 L2 write requests
-        # per CTA on the critical path of a small batch)
-        self.staged_store = self.f32_out and not self.fused
-        assert B_H * STAGE_PITCH <= 3 * B_TOPK * d_qk * 2  # fits over sQ, sK0, sK1
         self.regs_consumer = 216
         self.regs_producer = 72
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -296,7 +287,7 @@ class SparseMlaDecodeSm90:
             self.consumer(
                 mSink, mO, mLse, mML, scale_log2, flags, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1,
                 k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, split, token, h_blk, num_iters, wg,
-                idx_in_wg, dev.smem_addr_u32(sQ_ptr),
+                idx_in_wg,
             )
             if const_expr(self.fused):
                 last = dd.last_arrival(mCnt, token * n_hblk + h_blk, n_splits, tidx, 256, dd.BAR_ARRIVE,
@@ -337,7 +328,6 @@ class SparseMlaDecodeSm90:
         num_iters: Int32,
         wg: Int32,
         idx_in_wg: Int32,
-        stage_addr: Int32,
     ):
         """WG0 / WG1: the forward's paired-block schedule (``common/decode_device.py``), then the
         epilogue."""
@@ -345,11 +335,11 @@ class SparseMlaDecodeSm90:
         c.loop(sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, BAR_S0_READY, BAR_S1_READY,
                num_iters, wg, scale_log2)
         self._epilogue(mSink, mO, mLse, mML, flags, sL, c.acc_o, c.rM, c.rL, split, token, h_blk, wg, idx_in_wg,
-                       c.row0, c.row1, c.lane_quad, stage_addr)
+                       c.row0, c.row1, c.lane_quad)
 
     @cute.jit
     def _epilogue(self, mSink, mO, mLse, mML, flags, sL, acc_o, rM, rL, split, token, h_blk, wg, idx_in_wg,
-                  row0, row1, lane_quad, stage_addr):
+                  row0, row1, lane_quad):
         """Row sums of both WGs, normalise O, store O, lse (and max_logits)."""
         l0 = dev.quad_sum(rL[0])
         l1 = dev.quad_sum(rL[1])
@@ -380,28 +370,13 @@ class SparseMlaDecodeSm90:
         base = dp.out_row_offset(split, n_tok, token, h_q, my_head, self.d_v) + col0
         elem_bytes = 4 if const_expr(self.f32_out) else 2
         o_addr = dev.gmem_addr_i64(mO.iterator) + base * elem_bytes
-        if const_expr(self.staged_store):
-            # every WG is past BAR_L_READY: no MMA reads sQ / sK0 / sK1 any more
-            my_row = Int32(cutlass.select_(odd, row1, row0))
-            s_addr = stage_addr + my_row * STAGE_PITCH + col0 * 4
-            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
-                dd.st_shared_v4_f32(s_addr + (8 * g) * 4, v0, v1, v2, v3)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=256)
-            tid = wg * 128 + idx_in_wg
-            if tid < B_H:
-                row_g = dev.gmem_addr_i64(mO.iterator) + dp.out_row_offset(split, n_tok, token, h_q, h_blk * B_H + tid,
-                                                                           self.d_v) * 4
-                dd.bulk_store(row_g, stage_addr + tid * STAGE_PITCH, self.d_v * 4)
-        else:
-            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
-                addr = o_addr + (8 * g) * elem_bytes
-                if const_expr(self.f32_out):
-                    dev.st_global_v4_f32(addr, v0, v1, v2, v3)
-                else:
-                    dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
+        for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
+            v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
+            addr = o_addr + (8 * g) * elem_bytes
+            if const_expr(self.f32_out):
+                dev.st_global_v4_f32(addr, v0, v1, v2, v3)
+            else:
+                dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
 
         if wg == 1:
             if lane_quad == 0:

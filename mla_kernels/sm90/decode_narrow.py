@@ -79,9 +79,6 @@ class SparseMlaDecodeNarrowSm90:
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
         self.n_m_tiles = d_v // 64
-        # S^T = K Q^T is m64 n=h k16 x (d_qk/16): with one accumulator a chain of 36 dependent
-        # wgmmas of tiny N (latency-bound); 4 chains for h <= 16, 2 for h 24/32 (registers)
-        self.n_qk_acc = 4 if h_q <= 16 else 2
         # the paged gather's index math needs more than the forward's 72 producer registers
         self.regs_consumer = 208
         self.regs_producer = 88
@@ -374,10 +371,6 @@ class SparseMlaDecodeNarrowSm90:
         tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sK))
         tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_TOPK, h)))
-        # S^T over independent accumulator chains (k-step k into chain k % n_qk_acc), summed after
-        qk_accs = [acc_s]
-        for _ in cutlass.range_constexpr(self.n_qk_acc - 1):
-            qk_accs.append(thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_TOPK, h))))
         # V^T: the first d_v columns of the KV tile, viewed as (d, token)
         vt_layout = cute.select(sK.layout, mode=[1, 0])
         sVt = cute.local_tile(cute.make_tensor(sK.iterator, vt_layout), (self.d_v, B_TOPK), (0, 0))
@@ -403,11 +396,9 @@ class SparseMlaDecodeNarrowSm90:
         for it in cutlass.range(num_iters, unroll=1):
             parity = it & 1
             kb.wait_ready(parity)
-            dd.issue_mma_split_k(qk_accs, tSrK, tSrQ, self.n_k_tiles * 4, B_TOPK, h, OperandMajorMode.K,
-                                 OperandMajorMode.K)
+            dd.issue_mma(acc_s, tSrK, tSrQ, 0, self.n_k_tiles * 4, True, B_TOPK, h, OperandMajorMode.K,
+                         OperandMajorMode.K)
             cute.nvgpu.warpgroup.wait_group(0)
-            for a in cutlass.range_constexpr(1, self.n_qk_acc):
-                acc_s.store(acc_s.load() + qk_accs[a].load())
 
             cute.arch.mbarrier_wait(bar_valid, parity)
             word = sValid[2 * wg + warp_in_wg // 2]
