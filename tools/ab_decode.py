@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             nsplit[name] = plan.num_splits
             keep.append(plan)  # a captured graph writes into the plan's buffers: keep them alive
 
-            def call(i, mk=mk, plan=plan):
+            def call(i, mk=mk, plan=plan, sets=sets):
                 q, pos = sets[i]
                 return mk.sparse_mla_decode(q, kv, pos, sm_scale, bd.D_V, block_table=bt, plan=plan)
 

@@ -12,9 +12,15 @@ CuTe DSL.  Kernel files must not import each other, so what both need lives here
 * :class:`PairedBlockConsumer` / :func:`paired_producer_loop` -- the 64-head kernel's main loop:
   the prefill forward's paired-block schedule (``sm90/fwd.py`` keeps its own copy: the forward's
   owner may switch it to this one).
+* :class:`DecodeContract` / :class:`FusedDecodeContract` -- the host entry points of the
+  argument contract (``common/decode_host.py``) both kernels share, :func:`flat_views` (the cache
+  as rows, the indices as tokens), :func:`cta_coords`, :func:`store_lse_ml` (one head's lse and
+  max_logits, ``+inf`` / ``-inf`` when empty) and :func:`fused_tail` (the fused combine's tail).
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -25,6 +31,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from . import decode_parts as dp
 from . import device as dev
 from .combine import merge_item
 
@@ -390,3 +397,109 @@ def paired_producer_loop(
         if ptid % 32 == 0:
             sValid[warp_in_wg] = bits
             cute.arch.mbarrier_arrive(bar_valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# What both decode kernels share around their main loops
+# ---------------------------------------------------------------------------------------------
+
+
+class DecodeContract:
+    """The two-launch entry point of a decode kernel (``common/decode_host.py``'s contract): the
+    subclass's ``_launch`` takes the fused tail's four arguments after ``mML``; here they are
+    placeholders the kernel never touches."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+
+
+class FusedDecodeContract:
+    """The one-launch entry point (the combine folded in): the two-launch contract plus the
+    merged ``(out, lse, max_logits)`` and the arrival counters after ``mML``."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mBias: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mBT: cute.Tensor,
+        mTL: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        mML: cute.Tensor,
+        mOF: cute.Tensor,
+        mLseF: cute.Tensor,
+        mMLF: cute.Tensor,
+        mCnt: cute.Tensor,
+        scale_log2: Float32,
+        flags: Int32,
+        page_size: Int32,
+        tl_stride_b: Int32,
+        tl_stride_s: Int32,
+        n_splits: Int32,
+        blocks_per_split: Int32,
+        stream,
+    ):
+        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
+                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+
+
+def flat_views(mKV: cute.Tensor, mIdx: cute.Tensor, n_tok, d_qk: int):
+    """The paged cache ``[pages, page_size, 1, d_qk]`` as rows ``[pages * page_size, d_qk]`` and
+    the indices ``[b, s_q, topk]`` as ``[n_tok, topk]`` (both contiguous)."""
+    mKV2 = cute.make_tensor(mKV.iterator, cute.make_layout((mKV.shape[0] * mKV.shape[1], d_qk), stride=(d_qk, 1)))
+    topk = mIdx.shape[2]
+    mIdx2 = cute.make_tensor(mIdx.iterator, cute.make_layout((n_tok, topk), stride=(topk, 1)))
+    return mKV2, mIdx2
+
+
+def cta_coords(token, s_q):
+    """``(b_idx, s_in)``: the request and its query position of decode token ``token``."""
+    return token // s_q, token % s_q
+
+
+@cute.jit
+def store_lse_ml(mLse: cute.Tensor, mML: cute.Tensor, off, l: Float32, m_log2: Float32, flags: Int32):
+    """One head's ``lse = ln(l) + m`` (``+inf`` for an empty head, ``l == 0``) at element ``off``
+    of ``mLse``, and with ``F_MAX_LOGITS`` its max logit (``-inf`` when empty) in ``mML``;
+    ``m_log2`` is the running max in scaled log2 units."""
+    empty = l == Float32(0.0)
+    dp.store_f32(mLse, off, Float32(cutlass.select_(empty, Float32(math.inf), cute.math.log(l) + m_log2 * dev.LN2)))
+    if dp.flag(flags, dp.F_MAX_LOGITS):
+        dp.store_f32(mML, off, Float32(cutlass.select_(empty, Float32(-math.inf), m_log2 * dev.LN2)))
+
+
+@cute.jit
+def fused_tail(mCnt, row_id, n_splits, tidx, mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags, token, head0,
+               n_rows: cutlass.Constexpr, d_v: cutlass.Constexpr):
+    """The fused combine after a split CTA's part is stored (its 256 consumer threads): the CTA
+    that arrives last at ``mCnt[row_id]`` merges heads ``head0 .. head0 + n_rows - 1``."""
+    last = last_arrival(mCnt, row_id, n_splits, tidx, 256, BAR_ARRIVE, BAR_LAST)
+    if last:
+        merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK), flags & Int32(dp.F_MAX_LOGITS),
+                    token, head0, n_rows, d_v, tidx, 256)

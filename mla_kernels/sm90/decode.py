@@ -27,7 +27,6 @@ and the mode.
 
 from __future__ import annotations
 
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -49,7 +48,7 @@ BAR_L_READY = 5
 BAR_Q_READY = 6  # Q (+ bias) stored by the consumers
 
 
-class SparseMlaDecodeSm90:
+class SparseMlaDecodeSm90(dd.DecodeContract):
     """Static configuration + host launcher + device kernel of the sm90 split decode (h_q % 64 == 0)."""
 
     def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128, fused: bool = False,
@@ -79,33 +78,6 @@ class SparseMlaDecodeSm90:
     # ------------------------------------------------------------------------------------------
     # Host side
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mBias: cute.Tensor,
-        mKV: cute.Tensor,
-        mIdx: cute.Tensor,
-        mBT: cute.Tensor,
-        mTL: cute.Tensor,
-        mSink: cute.Tensor,
-        mO: cute.Tensor,
-        mLse: cute.Tensor,
-        mML: cute.Tensor,
-        scale_log2: Float32,
-        flags: Int32,
-        page_size: Int32,
-        tl_stride_b: Int32,
-        tl_stride_s: Int32,
-        n_splits: Int32,
-        blocks_per_split: Int32,
-        stream,
-    ):
-        """The two-launch contract (``common/decode_host.py``); the fused tail's arguments are
-        placeholders that the kernel never touches."""
-        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
-                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
-
     @cute.jit
     def _launch(
         self,
@@ -161,9 +133,7 @@ class SparseMlaDecodeSm90:
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         n_tok = b * s_q
         # flattened views: the cache as [rows, d_qk], the indices as [tokens, topk]
-        mKV2 = cute.make_tensor(mKV.iterator, cute.make_layout((mKV.shape[0] * mKV.shape[1], d_qk), stride=(d_qk, 1)))
-        topk = mIdx.shape[2]
-        mIdx2 = cute.make_tensor(mIdx.iterator, cute.make_layout((n_tok, topk), stride=(topk, 1)))
+        mKV2, mIdx2 = dd.flat_views(mKV, mIdx, n_tok, d_qk)
         n_hblk = h_q // B_H
         self.kernel(
             mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
@@ -222,8 +192,7 @@ class SparseMlaDecodeSm90:
         split = rest % n_splits
         token = rest // n_splits
         s_q = mQ.shape[1]
-        b_idx = token // s_q
-        s_in = token % s_q
+        b_idx, s_in = dd.cta_coords(token, s_q)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -290,11 +259,8 @@ class SparseMlaDecodeSm90:
                 idx_in_wg,
             )
             if const_expr(self.fused):
-                last = dd.last_arrival(mCnt, token * n_hblk + h_blk, n_splits, tidx, 256, dd.BAR_ARRIVE,
-                                       dd.BAR_LAST)
-                if last:
-                    dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
-                                   flags & Int32(dp.F_MAX_LOGITS), token, h_blk * B_H, B_H, self.d_v, tidx, 256)
+                dd.fused_tail(mCnt, token * n_hblk + h_blk, n_splits, tidx, mO, mLse, mML, mOF, mLseF, mMLF, mSink,
+                              flags, token, h_blk * B_H, B_H, self.d_v)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -380,17 +346,8 @@ class SparseMlaDecodeSm90:
 
         if wg == 1:
             if lane_quad == 0:
-                empty0 = l0 == 0.0
-                empty1 = l1 == 0.0
-                off0 = dp.lse_offset(split, n_tok, token, h_q, head0)
-                off1 = dp.lse_offset(split, n_tok, token, h_q, head1)
-                dp.store_f32(mLse, off0, Float32(cutlass.select_(
-                    empty0, Float32(math.inf), cute.math.log(l0) + rM[0] * dev.LN2)))
-                dp.store_f32(mLse, off1, Float32(cutlass.select_(
-                    empty1, Float32(math.inf), cute.math.log(l1) + rM[1] * dev.LN2)))
-                if dp.flag(flags, dp.F_MAX_LOGITS):
-                    dp.store_f32(mML, off0, Float32(cutlass.select_(empty0, Float32(-math.inf), rM[0] * dev.LN2)))
-                    dp.store_f32(mML, off1, Float32(cutlass.select_(empty1, Float32(-math.inf), rM[1] * dev.LN2)))
+                dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head0), l0, rM[0], flags)
+                dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head1), l1, rM[1], flags)
 
 
 def n_tokens_of(mLse, split: bool):
@@ -400,38 +357,9 @@ def n_tokens_of(mLse, split: bool):
     return mLse.shape[0] * mLse.shape[1]
 
 
-class SparseMlaDecodeSm90Fused(SparseMlaDecodeSm90):
+class SparseMlaDecodeSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeSm90):
     """The split kernel with the combine folded in (one launch): the contract of
     ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
 
     def __init__(self, d_qk: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
         super().__init__(d_qk, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mBias: cute.Tensor,
-        mKV: cute.Tensor,
-        mIdx: cute.Tensor,
-        mBT: cute.Tensor,
-        mTL: cute.Tensor,
-        mSink: cute.Tensor,
-        mO: cute.Tensor,
-        mLse: cute.Tensor,
-        mML: cute.Tensor,
-        mOF: cute.Tensor,
-        mLseF: cute.Tensor,
-        mMLF: cute.Tensor,
-        mCnt: cute.Tensor,
-        scale_log2: Float32,
-        flags: Int32,
-        page_size: Int32,
-        tl_stride_b: Int32,
-        tl_stride_s: Int32,
-        n_splits: Int32,
-        blocks_per_split: Int32,
-        stream,
-    ):
-        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
-                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)

@@ -54,7 +54,7 @@ BAR_SUMS = 10  # WG0's column sums are in sFin (128)
 BAR_STAGED = 11  # 1/l per head and the staged rows are in smem (128)
 
 
-class SparseMlaDecodeNarrowSm90:
+class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
     def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
@@ -90,33 +90,6 @@ class SparseMlaDecodeNarrowSm90:
     # ------------------------------------------------------------------------------------------
     # Host side
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mBias: cute.Tensor,
-        mKV: cute.Tensor,
-        mIdx: cute.Tensor,
-        mBT: cute.Tensor,
-        mTL: cute.Tensor,
-        mSink: cute.Tensor,
-        mO: cute.Tensor,
-        mLse: cute.Tensor,
-        mML: cute.Tensor,
-        scale_log2: Float32,
-        flags: Int32,
-        page_size: Int32,
-        tl_stride_b: Int32,
-        tl_stride_s: Int32,
-        n_splits: Int32,
-        blocks_per_split: Int32,
-        stream,
-    ):
-        """The two-launch contract (``common/decode_host.py``); the fused tail's arguments are
-        placeholders that the kernel never touches."""
-        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
-                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
-
     @cute.jit
     def _launch(
         self,
@@ -169,9 +142,7 @@ class SparseMlaDecodeNarrowSm90:
 
         b, s_q = mQ.shape[0], mQ.shape[1]
         n_tok = b * s_q
-        mKV2 = cute.make_tensor(mKV.iterator, cute.make_layout((mKV.shape[0] * mKV.shape[1], d_qk), stride=(d_qk, 1)))
-        topk = mIdx.shape[2]
-        mIdx2 = cute.make_tensor(mIdx.iterator, cute.make_layout((n_tok, topk), stride=(topk, 1)))
+        mKV2, mIdx2 = dd.flat_views(mKV, mIdx, n_tok, d_qk)
         self.kernel(
             mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
             page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
@@ -226,8 +197,7 @@ class SparseMlaDecodeNarrowSm90:
         split = bidx % n_splits
         token = bidx // n_splits
         s_q = mQ.shape[1]
-        b_idx = token // s_q
-        s_in = token % s_q
+        b_idx, s_in = dd.cta_coords(token, s_q)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -283,10 +253,8 @@ class SparseMlaDecodeNarrowSm90:
                 self.consumer(mSink, mO, mLse, mML, scale_log2, flags, sValid, sQ, sK, sP, sRed, sFin, sState,
                               sK0_ptr, sK1_ptr, kb1, bar_valid1, split, token, num_iters, Int32(1), idx_in_wg)
             if const_expr(self.fused):
-                last = dd.last_arrival(mCnt, token, n_splits, tidx, 256, dd.BAR_ARRIVE, dd.BAR_LAST)
-                if last:
-                    dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
-                                   flags & Int32(dp.F_MAX_LOGITS), token, Int32(0), self.h, self.d_v, tidx, 256)
+                dd.fused_tail(mCnt, token, n_splits, tidx, mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags, token,
+                              Int32(0), self.h, self.d_v)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -524,11 +492,7 @@ class SparseMlaDecodeNarrowSm90:
                         if dp.flag(flags, dp.F_SINK):
                             denom = l + cute.math.exp2(mSink[col] * dev.LOG2E - rM[j], fastmath=True)
                     sStage[inv_base + col] = Float32(cutlass.select_(nonempty, Float32(1.0) / denom, Float32(0.0)))
-                    off = dp.lse_offset(split, n_tok, token, h, col)
-                    dp.store_f32(mLse, off, Float32(cutlass.select_(
-                        nonempty, cute.math.log(l) + rM[j] * dev.LN2, Float32(math.inf))))
-                    if dp.flag(flags, dp.F_MAX_LOGITS):
-                        dp.store_f32(mML, off, Float32(cutlass.select_(nonempty, rM[j] * dev.LN2, Float32(-math.inf))))
+                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h, col), l, rM[j], flags)
         cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=128)
         base = dp.out_row_offset(split, n_tok, token, h, Int32(0), self.d_v) + Int64(4 * idx_in_wg)
         vec = cute.make_layout(4)
@@ -545,38 +509,9 @@ class SparseMlaDecodeNarrowSm90:
                 cute.autovec_copy(rb, cute.make_tensor((mO.iterator + off).align(8), vec))
 
 
-class SparseMlaDecodeNarrowSm90Fused(SparseMlaDecodeNarrowSm90):
+class SparseMlaDecodeNarrowSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeNarrowSm90):
     """The split kernel with the combine folded in (one launch): the contract of
     ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
 
     def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
         super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mBias: cute.Tensor,
-        mKV: cute.Tensor,
-        mIdx: cute.Tensor,
-        mBT: cute.Tensor,
-        mTL: cute.Tensor,
-        mSink: cute.Tensor,
-        mO: cute.Tensor,
-        mLse: cute.Tensor,
-        mML: cute.Tensor,
-        mOF: cute.Tensor,
-        mLseF: cute.Tensor,
-        mMLF: cute.Tensor,
-        mCnt: cute.Tensor,
-        scale_log2: Float32,
-        flags: Int32,
-        page_size: Int32,
-        tl_stride_b: Int32,
-        tl_stride_s: Int32,
-        n_splits: Int32,
-        blocks_per_split: Int32,
-        stream,
-    ):
-        self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
-                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
