@@ -27,7 +27,6 @@ and the mode.
 
 from __future__ import annotations
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
