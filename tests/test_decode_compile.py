@@ -13,6 +13,11 @@ NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct", "c
          "sm90_decode_narrow_d576_h8_fused"}
 
 
+def q_chunks(h: int, d_qk: int = 576) -> int:
+    """cp.async copies per consumer thread of the Q tile (16-byte chunks over 256 threads)."""
+    return -(-h * d_qk // 8 // 256)
+
+
 @pytest.fixture(scope="module")
 def report():
     cr = compile_report_module()
@@ -35,8 +40,10 @@ def test_decode_head_block_kernel(report):
     # the forward's schedule and products: QK 64x64x16 (36 per block: WG0's prologue and loop, WG1's
     # loop) + PV 64x256x16 (RS and SS, 4 each per WG)
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
-    assert base.get("LDGSTS", 0) == 72  # 9 tiles x 4 rows x 2 buffers: the KV gather
-    assert base.get("UTMALDG", 0) == 0  # Q arrives through registers (q_bias fused)
+    # 9 tiles x 4 rows x 2 buffers: the KV gather; + 18: Q by cp.async without a bias (64 x 576 / 8
+    # chunks over 256 threads), issued at the kernel's start
+    assert base.get("LDGSTS", 0) == 72 + q_chunks(64)
+    assert base.get("UTMALDG", 0) == 0  # no TMA: Q (+ q_bias, fused through registers) by the consumers
     assert sass.get("STG.E.128", 0) >= 32  # float32 partial rows as 16-byte stores
 
 
@@ -49,7 +56,7 @@ def test_decode_narrow_kernel_heads_on_n(report, name, h):
     # traced once per consumer warpgroup), no 64-row head tile anywhere
     assert sass.get(f"HGMMA.64x{h}x16.F32.BF16", 0) == 2 * (36 + 32)
     assert sum(v for k, v in sass.items() if k.startswith("HGMMA")) == 2 * (36 + 32)
-    assert base.get("LDGSTS", 0) == 72
+    assert base.get("LDGSTS", 0) == 72 + q_chunks(h)
 
 
 def test_combine_kernel(report):
@@ -67,4 +74,4 @@ def test_fused_tail(report):
     assert sum(v for k, v in sass.items() if k.startswith("ATOMG")) == 1
     assert sum(v for k, v in sass.items() if k.startswith("BAR.RED")) == 1
     assert sass.get("LDG.E.128", 0) >= 1
-    assert sass.get("HGMMA.64x8x16.F32.BF16", 0) == 2 * (36 + 32) and base.get("LDGSTS", 0) == 72
+    assert sass.get("HGMMA.64x8x16.F32.BF16", 0) == 2 * (36 + 32) and base.get("LDGSTS", 0) == 72 + q_chunks(8)

@@ -292,7 +292,7 @@ def test_fwd_routes_small_s_q_through_decode(s_q, h_q, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 2, 5, 37])
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 17, 37])  # 16 / 17: the combine's prefetched parts and one more
 @pytest.mark.parametrize("dt,out_dt", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                        (torch.float32, torch.float32)])
 @pytest.mark.parametrize("sink", [False, True])

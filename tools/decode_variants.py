@@ -14,6 +14,11 @@ design, only the timing means something):
 * ``nostore``  -- the epilogue's O stores dropped (64-head kernel and narrow kernel)
 * ``empty``    -- every split processes no block (launch, Q load, epilogue, combine only)
 * ``nosoftmax``-- the 64-head kernel's online softmax skipped (masks and PV kept)
+* ``noq``      -- no Q load (both kernels; the MMAs read whatever the smem holds)
+* ``nopre``    -- the combine without its part prefetch (``PREFETCH = 0``: three L2 round trips)
+
+Note: a variant that leaves a result unused lets the compiler drop the work behind it too (``nostore``
+removes the PV products with the O stores: check a variant's SASS with tools/compile_report.py).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ EDITS = {
                "                pass", 1)],
     },
     "empty": {DP: [("    return blk0, (n_blocks + 1) // 2, bound", "    return blk0, Int32(0) * n_blocks, bound", 1)]},
+    "noq": {DEC: [("            dp.load_q_tile(", "            (lambda *a: None)(", 1)],
+            NAR: [("            dp.load_q_tile(", "            (lambda *a: None)(", 1)]},
+    "nopre": {"mla_kernels/common/combine.py": [("PREFETCH = 16\n", "PREFETCH = 0\n", 1)]},
     "nosoftmax": {DD: [("                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])\n", "", 1),
                        ("                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])\n",
                         "", 1)]},

@@ -107,34 +107,56 @@ def load_q_tile(
     ``n_rows * 128`` bytes apart, starting at ``tile_addr`` (32-bit shared address, 1024-byte
     aligned).  ``mQ`` is ``[b, s_q, h, d_qk]`` (``token = b * s_q + s``), ``mBias [*, h, d_qk]``
     (the zero placeholder when ``use_bias`` is 0: adding it changes nothing).  The sum is
-    rounded to bf16 once.  Called by ``n_threads`` threads (``tid`` 0..n_threads-1); the caller
-    fences (``fence.proxy.async``) and synchronises before an MMA reads the tile."""
+    rounded to bf16 once.  Called by ``n_threads`` threads (``tid`` 0..n_threads-1); without the
+    bias the rows go by ``cp.async`` (no register round trip), so the caller first waits
+    (:func:`cp_async_wait_all`), then fences (``fence.proxy.async``) and synchronises before an MMA
+    reads the tile -- the wait may come much later: the kernels issue the load at their start."""
     h = mQ.shape[2]
     chunks = d_qk // 8
     total = n_rows * chunks
-    q_base = mQ.iterator + (Int64(token) * h + head0) * d_qk
-    bias_base = mBias.iterator + (Int64(b_idx * use_bias) * h + head0) * d_qk
-    vec = cute.make_layout(8)
-    rq = cute.make_rmem_tensor((8,), cutlass.BFloat16)
-    rb = cute.make_rmem_tensor((8,), cutlass.BFloat16)
-    rf = cute.make_rmem_tensor((8,), Float32)
-    for k in cutlass.range_constexpr((total + n_threads - 1) // n_threads):
-        j = tid + k * n_threads
-        if j < total:
-            r = j // chunks
-            c = j % chunks
-            off = Int64(r * d_qk + c * 8)
-            cute.autovec_copy(cute.make_tensor((q_base + off).align(16), vec), rq)
-            cute.autovec_copy(cute.make_tensor((bias_base + off).align(16), vec), rb)
-            rf.store(rq.load().to(Float32) + rb.load().to(Float32))
-            dst = tile_addr + (c // 8) * (n_rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
-            dev.st_shared_v4_b32(
-                dst,
-                dev.pack_bf16x2(rf[0], rf[1]),
-                dev.pack_bf16x2(rf[2], rf[3]),
-                dev.pack_bf16x2(rf[4], rf[5]),
-                dev.pack_bf16x2(rf[6], rf[7]),
-            )
+    if use_bias != 0:
+        q_base = mQ.iterator + (Int64(token) * h + head0) * d_qk
+        bias_base = mBias.iterator + (Int64(b_idx) * h + head0) * d_qk
+        vec = cute.make_layout(8)
+        rq = cute.make_rmem_tensor((8,), cutlass.BFloat16)
+        rb = cute.make_rmem_tensor((8,), cutlass.BFloat16)
+        rf = cute.make_rmem_tensor((8,), Float32)
+        for k in cutlass.range_constexpr((total + n_threads - 1) // n_threads):
+            j = tid + k * n_threads
+            if j < total:
+                r = j // chunks
+                c = j % chunks
+                off = Int64(r * d_qk + c * 8)
+                cute.autovec_copy(cute.make_tensor((q_base + off).align(16), vec), rq)
+                cute.autovec_copy(cute.make_tensor((bias_base + off).align(16), vec), rb)
+                rf.store(rq.load().to(Float32) + rb.load().to(Float32))
+                dst = tile_addr + (c // 8) * (n_rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+                dev.st_shared_v4_b32(
+                    dst,
+                    dev.pack_bf16x2(rf[0], rf[1]),
+                    dev.pack_bf16x2(rf[2], rf[3]),
+                    dev.pack_bf16x2(rf[4], rf[5]),
+                    dev.pack_bf16x2(rf[6], rf[7]),
+                )
+    else:
+        # no bias: straight to smem with cp.async, every chunk in flight at once (the caller
+        # waits with cp_async_wait_all before its fence and barrier)
+        q_addr = dev.gmem_addr_i64(mQ.iterator) + ((Int64(token) * h + head0) * d_qk) * 2
+        policy = dev.createpolicy_evict_first()
+        for k in cutlass.range_constexpr((total + n_threads - 1) // n_threads):
+            j = tid + k * n_threads
+            if j < total:
+                r = j // chunks
+                c = j % chunks
+                dst = tile_addr + (c // 8) * (n_rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+                cp_async_16_zfill_pf(dst, q_addr + Int64(r * d_qk + c * 8) * 2, Boolean(True), policy, 128)
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """Commit this thread's ``cp.async`` copies and wait for all of them (``cp.async.wait_all``)."""
+    llvm.inline_asm(None, [], "cp.async.wait_all;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @cute.jit

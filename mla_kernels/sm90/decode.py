@@ -204,6 +204,12 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         max0_ready = dev.PhaseSignal(mbar + 9)
         max1_ready = dev.PhaseSignal(mbar + 10)
 
+        sQ_ptr = storage.sQ.data_ptr()
+        if tidx < 256:
+            # Q (+ bias) for this head block by the 256 consumer threads, issued first: without a
+            # bias the copies are asynchronous and overlap the setup and the producer's first loads
+            dp.load_q_tile(mQ, mBias, flags & Int32(dp.F_BIAS), token, b_idx, h_blk * B_H, B_H, self.d_qk,
+                           dev.smem_addr_u32(sQ_ptr), tidx, 256)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(4):
@@ -234,7 +240,6 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         sL = storage.sL.get_tensor(cute.make_layout(2 * B_H))
         sK0_ptr = storage.sK0.data_ptr()
         sK1_ptr = storage.sK1.data_ptr()
-        sQ_ptr = storage.sQ.data_ptr()
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -247,9 +252,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
                                     self.n_k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
-            # Q (+ bias) for this head block, by the 256 consumer threads
-            dp.load_q_tile(mQ, mBias, flags & Int32(dp.F_BIAS), token, b_idx, h_blk * B_H, B_H, self.d_qk,
-                           dev.smem_addr_u32(sQ_ptr), tidx, 256)
+            dp.cp_async_wait_all()  # this thread's Q copies (issued at the start) have landed
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_Q_READY, number_of_threads=256)
             self.consumer(

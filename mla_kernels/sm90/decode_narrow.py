@@ -207,6 +207,11 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         bar_valid0 = mbar + 4
         bar_valid1 = mbar + 5
 
+        if tidx < 256:
+            # Q (+ bias) by the 256 consumer threads, issued first: without a bias the copies are
+            # asynchronous and overlap the setup and the producer's first loads
+            dp.load_q_tile(mQ, mBias, flags & Int32(dp.F_BIAS), token, b_idx, Int32(0), self.h, self.d_qk,
+                           dev.smem_addr_u32(storage.sQ.data_ptr()), tidx, 256)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 dev.HalfBufferBarriers.init(mbar + 0, mbar + 1, 128, 128)
@@ -233,8 +238,7 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
                           idx_in_wg, warp_idx % 4)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
-            dp.load_q_tile(mQ, mBias, flags & Int32(dp.F_BIAS), token, b_idx, Int32(0), self.h, self.d_qk,
-                           dev.smem_addr_u32(storage.sQ.data_ptr()), tidx, 256)
+            dp.cp_async_wait_all()  # this thread's Q copies (issued at the start) have landed
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_Q_READY, number_of_threads=256)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
