@@ -272,6 +272,71 @@ def test_topk_blocks_and_poison(monkeypatch):
     assert torch.isneginf(one[2][one[0] < 0]).all()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_topk_overlapped_blocks(fp8, monkeypatch):
+    """MLA_KERNELS_INDEXER_TOPK_OVERLAP=1 (the select of a block on a side stream while the next
+    block is scored, two half-size workspaces): bitwise what the serial blocks give, with key
+    ranges, on several blocks and on one; the outputs are complete when the call returns."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, s_kv, topk = 1000, 2500, 128
+    q, k, w, qs, ksc = rand_inputs(s_q, 64, 128, s_kv, seed=12, fp8=fp8)
+    kst, ken = ranges(s_q, s_kv, "ranges", seed=4)
+    for budget in (200 * s_kv * 4, 1 << 30):
+        monkeypatch.setattr(indexer_host, "WORKSPACE_BYTES", budget)
+        monkeypatch.setenv(indexer_host.ENV_TOPK_OVERLAP, "0")
+        plain = mk.indexer_topk(q, k, w, topk, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc, return_logits=True)
+        monkeypatch.setenv(indexer_host.ENV_TOPK_OVERLAP, "1")
+        over = mk.indexer_topk(q, k, w, topk, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc, return_logits=True)
+        for a, b in zip(plain, over):  # no synchronize: the call's stream order must suffice
+            assert torch.equal(a, b)
+    want = ref.indexer_topk_ref(q, k, w, topk, 1.0, kst, ken, qs, ksc)
+    assert torch.equal(over[1], want[1])
+
+
+@pytest.mark.parametrize("s_q,s_kv,h,d,fp8,kind", [
+    (260, 1500, 64, 128, True, "causal"),
+    (50, 333, 32, 64, True, "ranges"),
+    (130, 777, 16, 128, True, "ranges"),
+    (77, 1000, 64, 128, False, "ranges"),
+])
+def test_logits_head_sum_on_tensor_cores(s_q, s_kv, h, d, fp8, kind, monkeypatch):
+    """MLA_KERNELS_INDEXER_SCORE_HEADSUM=mma (mma_all: bf16 too): ReLU(S) rounded to bf16 (2^-9
+    relative per head term) times the weights split into bf16 hi + lo, summed by the tensor core;
+    every -inf where the reference has one, the rest within 4e-3 of the scale."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "mma_all")
+    q, k, w, qs, ksc = rand_inputs(s_q, h, d, s_kv, seed=s_q + s_kv + 1, fp8=fp8)
+    kst, ken = ranges(s_q, s_kv, kind, seed=s_q)
+    got = mk.indexer_logits(q, k, w, sm_scale=0.3, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
+    want = ref.indexer_logits_ref(q, k, w, 0.3, kst, ken, qs, ksc)
+    check_logits(got, want, rtol=4e-3)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_head_sum_on_tensor_cores_integer_exact(fp8, monkeypatch):
+    """Integer-valued inputs (|q.k| well below 256, integer weights): exact in bf16, so the
+    tensor-core head sum gives the reference's logits and top-k sets exactly."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "mma_all")
+    q, k, w, qs, ksc = rand_inputs(200, 64, 128, 700, seed=3, fp8=fp8, integer=True)
+    got = mk.indexer_logits(q, k, w, sm_scale=0.5, q_scale=qs, k_scale=ksc)
+    check_logits(got, ref.indexer_logits_ref(q, k, w, 0.5, None, None, qs, ksc), exact=True)
+    s_q, s_kv, topk = 333, 1200, 100
+    q, k, w, qs, ksc = rand_inputs(s_q, 64, 128, s_kv, seed=7, fp8=fp8, integer=True)
+    kst, ken = ranges(s_q, s_kv, "ranges", seed=2)
+    got = mk.indexer_topk(q, k, w, topk, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc,
+                          return_logits=True)
+    want = ref.indexer_topk_ref(q, k, w, topk, 0.5, kst, ken, qs, ksc, return_logits=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2].float())
+
+
 def test_topk_large_causal_sampled_rows(monkeypatch):
     """S = 32768 causal (4 workspace blocks by default... of 4096 rows: 8 blocks); 256 sampled rows
     against the reference; the extra memory stays within the workspace bound."""
