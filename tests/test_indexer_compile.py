@@ -18,7 +18,6 @@ SMEM_LIMIT = 232448
 def report():
     cr = compile_report_module()
     only = {"sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128", "sm90_indexer_topk_logits",
-            "sm90_indexer_score_fp8_h64_d128_hsmma",
             "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
@@ -39,39 +38,6 @@ def test_score_kernels_use_wgmma_and_tma(report):
     assert base.get("UTMALDG", 0) >= 2
     sass, base = _common(report["sm90_indexer_score_fp8_h64_d128"])
     assert sass.get("QGMMA.64x256x32.F32.E4M3.E4M3", 0) == 4  # fp8: QGMMA, 4 k-steps of 32
-
-
-@pytest.mark.compile
-def test_score_head_sum_on_tensor_cores(report):
-    """fp8 with ``head_sum="mma"``: ReLU + bf16 pack in one instruction per two scores (64 per
-    thread per 64 x 256 tile), the head sum as 16 register-sourced 64x8x16 wgmmas, no float32
-    ReLU/FMA epilogue."""
-    r = report["sm90_indexer_score_fp8_h64_d128_hsmma"]
-    sass, base = _common(r)
-    assert 0 < r["smem_bytes"] <= SMEM_LIMIT
-    assert sass.get("QGMMA.64x256x32.F32.E4M3.E4M3", 0) == 4
-    assert sass.get("HGMMA.64x8x16.F32.BF16", 0) == 16
-    assert sass.get("F2FP.RELU.BF16.F32.PACK_AB", 0) == 64
-    assert base.get("FMNMX", 0) == 0 and base.get("SHFL", 0) == 0  # no ReLU in float32, no quad reduce
-    fma = _common(report["sm90_indexer_score_fp8_h64_d128"])[1]
-    assert fma.get("FMNMX", 0) == 128 and fma.get("FFMA", 0) >= 128  # the float32 head sum it replaces
-
-
-def test_score_head_sum_setting(monkeypatch):
-    from mla_kernels.sm90 import indexer_host
-
-    monkeypatch.delenv(indexer_host.ENV_SCORE_HEADSUM, raising=False)
-    assert indexer_host.score_head_sum(False) == "fma"
-    assert indexer_host.score_head_sum(True) == indexer_host.SCORE_HEADSUM_DEFAULT
-    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "mma")
-    assert (indexer_host.score_head_sum(True), indexer_host.score_head_sum(False)) == ("mma", "fma")
-    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "mma_all")
-    assert (indexer_host.score_head_sum(True), indexer_host.score_head_sum(False)) == ("mma", "mma")
-    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "fma")
-    assert indexer_host.score_head_sum(True) == "fma"
-    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "tensor")
-    with pytest.raises(ValueError, match="fma, mma or mma_all"):
-        indexer_host.score_head_sum(True)
 
 
 @pytest.mark.compile

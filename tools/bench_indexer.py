@@ -43,9 +43,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "loss_det_modes (every deterministic dk mode), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
-                         "registers or, _wsmem, read from smem per key tile; _hsmma: the head sum on the "
-                         "tensor cores), topk_variants (indexer_topk bf16 and fp8 under each "
-                         "MLA_KERNELS_INDEXER_TOPK_OVERLAP x MLA_KERNELS_INDEXER_SCORE_HEADSUM setting)")
+                         "registers or, _wsmem, read from smem per key tile)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -219,8 +217,6 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
-        if "topk_variants" in mine and cuda:
-            _topk_variants(out, S, TOPK, sets, args, scale, fl_scores, dev)
         if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile" in mine and cuda:
@@ -274,36 +270,6 @@ def rows(args):
     return out
 
 
-def _topk_variants(out, S, TOPK, sets, args, scale, fl_scores, dev):
-    """``indexer_topk`` (bf16, fp8) under each overlap x head-sum setting, same process."""
-    s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
-               qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
-    envs = ("MLA_KERNELS_INDEXER_TOPK_OVERLAP", "MLA_KERNELS_INDEXER_SCORE_HEADSUM")
-    saved = {e: os.environ.get(e) for e in envs}
-    try:
-        for fp8 in (False, True):
-            for ov in ("0", "1"):
-                for hs in ("fma", "mma_all"):
-                    os.environ[envs[0]], os.environ[envs[1]] = ov, hs
-
-                    def f(i, fp8=fp8):
-                        if fp8:
-                            s = s8[i]
-                            return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"],
-                                                   k_scale=s["ks"])
-                        s = sets[i]
-                        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
-                    med, ts = _time(f, args.sets, args.warmup, args.reps)
-                    _row(out, f"topk_{'fp8' if fp8 else 'bf16'}_ov{ov}_{hs}", "ours", S, TOPK, med, ts, fl_scores,
-                         _peak_mib(f))
-    finally:
-        for e, v in saved.items():
-            if v is None:
-                os.environ.pop(e, None)
-            else:
-                os.environ[e] = v
-
-
 def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
     """The score kernel over all row blocks (bf16 and fp8) as built, without its stores, and with
     the MMAs alone (``IndexerScoreSm90(profile=...)`` timing copies): where its time goes."""
@@ -325,9 +291,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        for prof, w_regs, hs in (("", True, "fma"), ("nostore", True, "fma"), ("mma", True, "fma"),
-                                 ("", False, "fma"), ("", True, "mma"), ("nostore", True, "mma")):
-            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, head_sum=hs)
+        for prof, w_regs in (("", True), ("nostore", True), ("mma", True), ("", False), ("nostore", False)):
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs)
 
             def f(i, fn=fn):
                 q2, k, w_eff, ks = ins[i]
@@ -335,8 +300,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
                 for q0 in range(0, S, rows):
                     fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
-            tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
-                   + ("_hsmma" if hs == "mma" else ""))
+            tag = f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

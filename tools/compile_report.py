@@ -124,8 +124,6 @@ def indexer_kernels():
         ("sm90_indexer_score_bf16_h64_d128", lambda a, **kw: compile_score(False, 64, 128, a, **kw)),
         ("sm90_indexer_score_fp8_h64_d128", lambda a, **kw: compile_score(True, 64, 128, a, **kw)),
         ("sm90_indexer_score_bf16_h16_d64", lambda a, **kw: compile_score(False, 16, 64, a, **kw)),
-        ("sm90_indexer_score_fp8_h64_d128_hsmma",
-         lambda a, **kw: compile_score(True, 64, 128, a, head_sum="mma", **kw)),
         ("sm90_indexer_topk_logits", lambda a, **kw: compile_topk(True, a, **kw)),
         ("sm90_indexer_loss_fwd_d128", lambda a, **kw: compile_loss_fwd(128, False, 2048, a, **kw)),
         ("sm90_indexer_loss_bwd_d128", lambda a, **kw: compile_loss_bwd(128, False, False, a, **kw)),

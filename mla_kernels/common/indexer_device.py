@@ -7,8 +7,7 @@
 * :func:`ordered_key` -- a float32 as a uint32 whose unsigned order is the float order (NaN as
   -inf, -0 as +0): the radix top-k's key;
 * :func:`block_exclusive_sum` -- exclusive prefix sum of one Int32 per thread over a CTA;
-* :func:`f32_bits` / :func:`u32_as_f32` -- bit casts; :func:`pack_relu_bf16x2` -- ReLU + bf16 pack
-  of two floats in one instruction (the score kernel's tensor-core head sum);
+* :func:`f32_bits` / :func:`u32_as_f32` -- bit casts;
 * :func:`f32_to_fixed` / :func:`red_add_u64` / :func:`bulk_reduce_add_u64` -- the deterministic
   loss backward's fixed-point dk: a float32 scaled to a signed 64-bit integer, and 64-bit integer
   additions into global memory (integer addition is associative, so the sum does not depend on
@@ -42,15 +41,6 @@ def u32_as_f32(x: Uint32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(T.f32(), [Uint32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
                                    has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def pack_relu_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
-    """``ReLU`` of two floats rounded to bf16 in one 32-bit word (``lo`` in the low half), round to
-    nearest (``cvt.rn.relu.bf16x2.f32``: one instruction for two elements)."""
-    return Uint32(llvm.inline_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-                                  "cvt.rn.relu.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False,
-                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op

@@ -55,15 +55,6 @@ ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
-#: How the score kernel sums the heads for float8 inputs: ``fma`` (float32 ReLU + weight FMA per
-#: score element) or ``mma`` (ReLU(S) packed to bf16 into a second, register-sourced wgmma
-#: against the weights; see ``indexer_score.py``); ``mma_all``: ``mma`` for bf16 inputs too (bf16
-#: takes ``fma`` otherwise).
-ENV_SCORE_HEADSUM = "MLA_KERNELS_INDEXER_SCORE_HEADSUM"
-SCORE_HEADSUM_DEFAULT = "fma"
-#: ``1``: ``indexer_topk`` runs the select of row block ``i`` on a side stream while the score
-#: kernel fills block ``i + 1`` (two workspaces of half the rows: the same memory).
-ENV_TOPK_OVERLAP = "MLA_KERNELS_INDEXER_TOPK_OVERLAP"
 FP8 = torch.float8_e4m3fn
 #: The loss kernels' largest top-k (``indexer_loss_fwd.MAX_TOPK``, repeated here so that the host
 #: side does not import the kernel module; a test checks that they agree).
@@ -131,10 +122,10 @@ def _score_inputs(p):
 # compile-cache key), never on a call whose kernel comes from memory or the on-disk cache.
 
 
-def _compile_score(fp8, h, d, arch, w_regs, head_sum="fma"):
+def _compile_score(fp8, h, d, arch, w_regs):
     from .indexer_score import compile_score
 
-    return compile_score(fp8, h, d, arch, w_regs=w_regs, head_sum=head_sum)
+    return compile_score(fp8, h, d, arch, w_regs=w_regs)
 
 
 def _compile_topk(return_logits, arch, batch, bitmap):
@@ -155,20 +146,11 @@ def _compile_loss_bwd(d, has_tl, deterministic, arch, mode):
     return compile_loss_bwd(d, has_tl, deterministic, arch, dk_mode=mode)
 
 
-def score_head_sum(fp8: bool) -> str:
-    """The score kernel's head-sum mode for this call (:data:`ENV_SCORE_HEADSUM`)."""
-    mode = os.environ.get(ENV_SCORE_HEADSUM, "").strip().lower() or SCORE_HEADSUM_DEFAULT
-    if mode not in ("fma", "mma", "mma_all"):
-        raise ValueError(f"{ENV_SCORE_HEADSUM}={mode!r}: expected fma, mma or mma_all")
-    return "mma" if (mode == "mma_all" or (mode == "mma" and fp8)) else "fma"
-
-
 def _score_fn(p):
     fp8, arch = p.is_fp8, _arch(p)
     w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
-    hs = score_head_sum(fp8)
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, hs, arch),
-                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, hs))
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, arch),
+                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs))
 
 
 def _topk_fn(p, return_logits: bool):
@@ -209,47 +191,13 @@ def run_topk(p, topk: int, return_logits: bool):
     logits = host.alloc((p.s_q, topk), torch.float32, dev) if return_logits else host.dummy(
         torch.float32, dev, (1, 1))
     rows = block_rows(p.s_q, p.s_kv)
-    half = max(ROW_ALIGN, rows // 2 // ROW_ALIGN * ROW_ALIGN)
-    if os.environ.get(ENV_TOPK_OVERLAP, "0").strip() == "1" and p.s_q > half:
-        _topk_overlapped(p, half, score, select, (q2, k, w_eff, ks), indices, length, logits)
-    else:
-        ws = torch.empty(rows, p.s_kv, dtype=torch.float32, device=dev)
-        for q0 in range(0, p.s_q, rows):
-            n = min(rows, p.s_q - q0)
-            block = ws[:n]
-            score(q2, k, w_eff, ks, p.k_start, p.k_end, block, q0, p.s_kv)
-            select(block, p.k_start, p.k_end, indices, length, logits, q0)
+    ws = torch.empty(rows, p.s_kv, dtype=torch.float32, device=dev)
+    for q0 in range(0, p.s_q, rows):
+        n = min(rows, p.s_q - q0)
+        block = ws[:n]
+        score(q2, k, w_eff, ks, p.k_start, p.k_end, block, q0, p.s_kv)
+        select(block, p.k_start, p.k_end, indices, length, logits, q0)
     return (indices, length, logits) if return_logits else (indices, length)
-
-
-_side_streams = {}
-
-
-def _topk_overlapped(p, rows, score, select, ins, indices, length, logits):
-    """Blocks of ``rows`` through two workspaces: the select of a block runs on a side stream
-    while the score kernel fills the next one (events order the reuse of each workspace)."""
-    dev = p.device
-    main = torch.cuda.current_stream(dev)
-    side = _side_streams.get(dev)
-    if side is None:
-        side = _side_streams[dev] = torch.cuda.Stream(dev)
-    ws = torch.empty(2, rows, p.s_kv, dtype=torch.float32, device=dev)
-    side.wait_stream(main)  # inputs and outputs allocated on main
-    freed = [None, None]
-    for b, q0 in enumerate(range(0, p.s_q, rows)):
-        block = ws[b % 2, : min(rows, p.s_q - q0)]
-        if freed[b % 2] is not None:
-            main.wait_event(freed[b % 2])
-        score(*ins, p.k_start, p.k_end, block, q0, p.s_kv)
-        filled = torch.cuda.Event()
-        filled.record(main)
-        side.wait_event(filled)
-        with torch.cuda.stream(side):
-            select(block, p.k_start, p.k_end, indices, length, logits, q0)
-            ev = torch.cuda.Event()
-            ev.record(side)
-        freed[b % 2] = ev
-    main.wait_stream(side)  # the outputs (and the workspace's release) after the last select
 
 
 def select_rows(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,

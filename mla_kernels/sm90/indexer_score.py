@@ -28,15 +28,6 @@ Heavy query tiles (late in a causal sequence) are launched first.
 of reading them from shared memory for every key tile (64 loads per thread per tile, each a
 full shared-memory wavefront that competes with the wgmma operand reads).
 
-``head_sum="mma"`` (the float8 default; bf16 on request): the head sum on the tensor cores instead of 2 float32
-instructions per score element.  ``ReLU(S^T)`` is packed to bf16 by ``cvt.rn.relu.bf16x2.f32``
-(one instruction per two elements) straight into the A fragment of a register-sourced
-``m64 x n(2 bq) x k16`` wgmma (the accumulator's element order is the A fragment's) against a
-``[2 bq, 256]`` bf16 weight matrix in smem: column ``2 q`` holds the bf16 ``hi`` part of query
-``q``'s 64 head weights, ``2 q + 1`` the ``lo`` remainder (``w = hi + lo`` to ~2^-16), zeros
-elsewhere.  Lane ``lane % 4`` then holds queries ``lane % 4 + 4 k`` whole (no quad
-reduce-scatter).  The price is bf16 rounding of ``ReLU(S)`` (2^-9 relative per head term).
-
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
 """
@@ -49,12 +40,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from ..common import indexer_device as idev
-from ..common.device import acc_flat
 from .. import tma
 
 BM = 64  # keys per consumer tile (the wgmma M)
@@ -76,17 +66,13 @@ def smem_atom_kind(row_bytes: int):
 class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
-    def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, head_sum: str = "fma"):
+    def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer scores take d_idx 64 or 128, got {d}")
         if profile not in ("", "mma", "nostore"):
             raise ValueError(f"profile {profile!r}: expected '', 'mma' or 'nostore'")
-        if head_sum not in ("fma", "mma"):
-            raise ValueError(f"head_sum {head_sum!r}: expected 'fma' or 'mma'")
-        self.head_sum = head_sum
-        self.n2 = 2 * (BN // h)  # the head-sum GEMM's N: (hi, lo) per query
         self.profile = profile
         self.w_regs = w_regs
         self.fp8 = fp8
@@ -97,10 +83,6 @@ class IndexerScoreSm90:
         self.bq = BN // h  # queries per consumer warpgroup
         self.cq = 2 * self.bq  # queries per CTA
         self.stages = 5 if (d * self.elem) == 256 else 8
-        if head_sum == "mma":  # room for the [n2, 256] bf16 weight matrices of both WGs
-            q_bytes, k_stage, b_bytes = 2 * BN * d * self.elem, BM * d * self.elem, 2 * self.n2 * BN * 2
-            while q_bytes + self.stages * k_stage + b_bytes + 4096 > SMEM_LIMIT:
-                self.stages -= 1
         self.regs_consumer = 232
         self.regs_producer = 40
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -109,13 +91,6 @@ class IndexerScoreSm90:
     def _mma(self):
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (BM, BN)
-        )
-
-    def _mma_sum(self):
-        """The head-sum GEMM: ``[64 keys, 256 (query, head)] x [256, n2]``, A (bf16) from registers."""
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (BM, self.n2),
-            warpgroup.OperandSource.RMEM,
         )
 
     @cute.jit
@@ -139,16 +114,12 @@ class IndexerScoreSm90:
         sK_one = cute.slice_(sK_layout, (None, None, 0))
         tma_atom_q, tma_q = tma.tile_load_atom(mQ, sQ_one, (BN, self.d))
         tma_atom_k, tma_k = tma.tile_load_atom(mK, sK_one, (BM, self.d))
-        atom_b = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        sB_layout = cute.tile_to_shape(atom_b, (self.n2, BN, 2), (0, 1, 2))  # one per consumer WG
-        n_b = cute.cosize(sB_layout) if const_expr(self.head_sum == "mma") else 8
 
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BN], 16]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, n_b], 1024]
             pipe: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             bar_q: cute.struct.MemRange[cutlass.Int64, 1]
 
@@ -158,7 +129,7 @@ class IndexerScoreSm90:
         n_tiles = (rows + (self.cq - 1)) // self.cq
         self.kernel(
             mW, mKScale, mStart, mEnd, mOut, q0, s_kv, tma_atom_q, tma_q, tma_atom_k, tma_k,
-            sQ_layout, sK_layout, sB_layout, SharedStorage, n_tiles,
+            sQ_layout, sK_layout, SharedStorage, n_tiles,
         ).launch(grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
 
@@ -178,7 +149,6 @@ class IndexerScoreSm90:
         tma_k: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
-        sB_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
         n_tiles: Int32,
     ):
@@ -261,36 +231,13 @@ class IndexerScoreSm90:
                     w = mW[Int64(qt0) * self.h + c]
                 sW[c] = w
             cute.arch.barrier(barrier_id=BAR_W, number_of_threads=256)
-            sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-            if const_expr(self.head_sum == "mma"):
-                self.fill_weight_matrix(sB, sW, wg, idx_in_wg)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_W, number_of_threads=256)
             if n_k > 0:
                 cute.arch.mbarrier_wait(bar_q, 0)
-                self.consumer(mKScale, mStart, mEnd, mOut, sQ, sK, sW, sB, pipe, q0, qt0 + wg * self.bq, s_q, s_kv,
+                self.consumer(mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0 + wg * self.bq, s_q, s_kv,
                               tile_lo, n_k, wg, idx_in_wg)
 
     @cute.jit
-    def fill_weight_matrix(self, sB, sW, wg, idx_in_wg):
-        """``sB[n, c, wg]``: column ``c`` (query ``c // h``) of this WG's head-sum matrix -- the bf16
-        ``hi`` part of ``w_eff`` at ``n = 2 (c // h)``, the ``lo`` remainder at ``n + 1``, else 0."""
-        for e in cutlass.range_constexpr(2):
-            c = 2 * idx_in_wg + e
-            w = sW[wg * BN + c]
-            hi = BFloat16(w)
-            lo = BFloat16(w - Float32(hi))
-            qn = 2 * (c // self.h)
-            for n in cutlass.range_constexpr(self.n2):
-                v = BFloat16(0.0)
-                if qn == n:
-                    v = hi
-                if qn + 1 == n:
-                    v = lo
-                sB[n, c, wg] = v
-
-    @cute.jit
-    def consumer(self, mKScale, mStart, mEnd, mOut, sQ, sK, sW, sB, pipe, q0, qt0, s_q, s_kv, tile_lo, n_k, wg,
+    def consumer(self, mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0, s_q, s_kv, tile_lo, n_k, wg,
                  idx_in_wg):
         mma = self._mma()
         thr = mma.get_slice(idx_in_wg)
@@ -301,16 +248,12 @@ class IndexerScoreSm90:
         lane_quad = lane % 4
         row0 = (idx_in_wg // 32) * 16 + lane // 4
         qpl = self.bq // 4  # queries per lane after the quad reduce-scatter
-        # This lane's queries: qt0 + lane_quad * qpl + k after the reduce-scatter (fma), or
-        # qt0 + lane_quad + 4 k from the head-sum GEMM's fragment (mma).
-        mma_sum = const_expr(self.head_sum == "mma")
-        qmul = 4 if mma_sum else 1
-        qadd = 1 if mma_sum else qpl
+        # This lane's queries (after the reduce-scatter): qt0 + lane_quad * qpl + k.
         rStart = cute.make_rmem_tensor((qpl,), Int32)
         rEnd = cute.make_rmem_tensor((qpl,), Int32)
         rRow = cute.make_rmem_tensor((qpl,), Int64)
         for k in cutlass.range_constexpr(qpl):
-            t = qt0 + lane_quad * qadd + qmul * k
+            t = qt0 + lane_quad * qpl + k
             st = Int32(0)
             en = Int32(0)
             if t < s_q:
@@ -319,20 +262,14 @@ class IndexerScoreSm90:
             rStart[k] = st
             rEnd[k] = en
             rRow[k] = Int64(t - q0) * Int64(mOut.shape[1])
+        n_rows_out = mOut.shape[0]
         vals = cute.make_rmem_tensor((2 * self.bq,), Float32)
         n_k_tiles = cute.size(tSrQ, mode=[2])
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         w_off = wg * BN
         rW = cute.make_rmem_tensor((2 * BN // 8 if self.w_regs else 2,), Float32)
-        if const_expr(self.w_regs and not mma_sum):
+        if const_expr(self.w_regs):
             idev.load_weight_cols(rW, sW, w_off, BN, lane_quad)
-        mma2 = self._mma_sum()
-        thr2 = mma2.get_slice(idx_in_wg)
-        tOrP = thr2.make_fragment_A(thr2.partition_shape_A((BM, BN)))  # ReLU(S^T), bf16 (MMA, 1, 16)
-        rP32 = cute.recast_tensor(tOrP, Uint32)
-        tOrB = thr2.make_fragment_B(thr2.partition_B(sB))  # (MMA, N, K, WG)
-        acc2 = thr2.make_fragment_C(thr2.partition_shape_C((BM, self.n2)))
-        n_sum_k = BN // 16
         for i in cutlass.range(n_k, unroll=1):
             key0 = (tile_lo + i) * BM
             pipe.consumer_wait(state)
@@ -348,21 +285,6 @@ class IndexerScoreSm90:
             if const_expr(self.profile == "mma"):  # timing copy: the MMAs alone (a store never taken)
                 if acc[0] == Float32(-1.2345e-30):
                     mOut[0, 0] = acc[1]
-            elif const_expr(mma_sum):
-                # ReLU + bf16 pack straight into the A fragment (same element order as acc)
-                for i in cutlass.range_constexpr(cute.size(acc) // 2):
-                    rP32[i] = idev.pack_relu_bf16x2(acc[2 * i], acc[2 * i + 1])
-                cute.nvgpu.warpgroup.fence()
-                for k in cutlass.range_constexpr(n_sum_k):
-                    mma2.set(warpgroup.Field.ACCUMULATE, k != 0)
-                    cute.gemm(mma2, acc2, tOrP[None, None, k], tOrB[None, None, k, wg], acc2)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-                for k in cutlass.range_constexpr(qpl):  # query lane_quad + 4 k: (hi, lo) of group k
-                    for r in cutlass.range_constexpr(2):
-                        vals[2 * k + r] = acc2[acc_flat(0, r, k)] + acc2[acc_flat(1, r, k)]
-                self.store_tile(mKScale, mOut, vals, rStart, rEnd, rRow, key0, row0, qt0, q0, s_q, s_kv, lane_quad,
-                                qpl, qmul, qadd)
             else:
                 # head sum per (key row, query), then the quad reduce-scatter
                 for qi in cutlass.range_constexpr(self.bq):
@@ -373,43 +295,33 @@ class IndexerScoreSm90:
                     vals[2 * qi] = s0
                     vals[2 * qi + 1] = s1
                 idev.quad_reduce_scatter(vals, 2 * self.bq, lane)
-                self.store_tile(mKScale, mOut, vals, rStart, rEnd, rRow, key0, row0, qt0, q0, s_q, s_kv, lane_quad,
-                                qpl, qmul, qadd)
-
-    @cute.jit
-    def store_tile(self, mKScale, mOut, vals, rStart, rEnd, rRow, key0, row0, qt0, q0, s_q, s_kv, lane_quad,
-                   qpl: cutlass.Constexpr, qmul: cutlass.Constexpr, qadd: cutlass.Constexpr):
-        """``vals[2 k + r]`` (query ``qt0 + lane_quad * qadd + qmul * k``, key ``key0 + row0 + 8 r``)
-        times ``k_scale`` (float8), ``-inf`` outside the query's range, into ``mOut``."""
-        n_rows_out = mOut.shape[0]
-        for r in cutlass.range_constexpr(2):
-            key = key0 + row0 + 8 * r
-            if key < s_kv:
-                ks = Float32(1.0)
-                if const_expr(self.fp8):
-                    ks = mKScale[key]
-                for k in cutlass.range_constexpr(qpl):
-                    t = qt0 + lane_quad * qadd + qmul * k
-                    if t < s_q and t - q0 < n_rows_out:
-                        inr = (key >= rStart[k]) & (key < rEnd[k])
-                        v = Float32(cutlass.select_(inr, vals[2 * k + r] * ks, Float32(-math.inf)))
-                        out = cute.make_tensor(mOut.iterator + (rRow[k] + Int64(key)), cute.make_layout(1))
-                        if const_expr(self.profile == "nostore"):  # timing copy: a store never taken
-                            if v == Float32(-1.2345e-30):
-                                out[0] = v
-                        else:
-                            out[0] = v
+                for r in cutlass.range_constexpr(2):
+                    key = key0 + row0 + 8 * r
+                    if key < s_kv:
+                        ks = Float32(1.0)
+                        if const_expr(self.fp8):
+                            ks = mKScale[key]
+                        for k in cutlass.range_constexpr(qpl):
+                            t = qt0 + lane_quad * qpl + k
+                            if t < s_q and t - q0 < n_rows_out:
+                                inr = (key >= rStart[k]) & (key < rEnd[k])
+                                v = Float32(cutlass.select_(inr, vals[2 * k + r] * ks, Float32(-math.inf)))
+                                out = cute.make_tensor(mOut.iterator + (rRow[k] + Int64(key)), cute.make_layout(1))
+                                if const_expr(self.profile == "nostore"):  # timing copy: a store never taken
+                                    if v == Float32(-1.2345e-30):
+                                        out[0] = v
+                                else:
+                                    out[0] = v
 
 
-def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  head_sum: str = "fma", **kw):
+def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True, **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
     n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld = (cute.sym_int() for _ in range(8))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, head_sum)
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),
