@@ -43,7 +43,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "loss_det_modes (every deterministic dk mode), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
-                         "registers or, _wsmem, read from smem per key tile)")
+                         "registers or, _wsmem, read from smem per key tile; fp8 _kslate: k_scale loaded in the "
+                         "epilogue instead of before the MMA)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -291,8 +292,10 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        for prof, w_regs in (("", True), ("nostore", True), ("mma", True), ("", False), ("nostore", False)):
-            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs)
+        variants = [("", True, True), ("nostore", True, True), ("mma", True, True), ("", False, True)]
+        variants += [("", True, False)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
+        for prof, w_regs, ks_early in variants:
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early)
 
             def f(i, fn=fn):
                 q2, k, w_eff, ks = ins[i]
@@ -300,7 +303,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
                 for q0 in range(0, S, rows):
                     fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
-            tag = f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
+            tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
+                   + ("" if ks_early else "_kslate"))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 
