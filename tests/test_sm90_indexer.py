@@ -421,6 +421,29 @@ def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
             assert torch.equal(got[mode][0], got["fixed_bulk"][0]) and torch.equal(got[mode][2], got["fixed_bulk"][2])
 
 
+@pytest.mark.parametrize("d,tl", [(128, True), (64, False)])
+def test_loss_prefetch_matches_the_first_version(d, tl, monkeypatch):
+    """The loss kernels' one-block-ahead loads (indices for the gather and the logits, targets)
+    change when values arrive, not what is computed: the loss rows and the deterministic
+    gradients are bitwise those of MLA_KERNELS_INDEXER_LOSS_PREFETCH=0 (with key-index padding,
+    invalid and duplicate slots, topk_length, an empty row)."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(150, 700, 300, d, seed=9, tl=tl)
+    g_rows = torch.randn(150, generator=torch.Generator().manual_seed(5)).cuda()
+    out = {}
+    for pf in ("1", "0"):
+        monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, pf)
+        rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
+        out[pf] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+    torch.cuda.synchronize()
+    for a, b in zip(out["1"], out["0"]):
+        assert torch.equal(a, b)
+    want = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)[0]
+    assert rel_l2(out["1"][0].float(), want) <= 1e-3
+
+
 @pytest.mark.parametrize("mag", [2.0 ** -30, 2.0 ** 24])
 def test_loss_backward_fixed_point_dk_far_from_one(mag, monkeypatch):
     """The fixed-point scale follows the gradients' magnitude (tiny or huge weights): the

@@ -40,7 +40,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
                     help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
-                         "loss_det_modes (every deterministic dk mode), loss_nodk (profiling: the backward "
+                         "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
+                         "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
                          "registers or, _wsmem, read from smem per key tile; fp8 _kslate: k_scale loaded in the "
@@ -222,7 +223,7 @@ def rows(args):
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores)
-        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk")
+        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch")
         if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
@@ -234,11 +235,14 @@ def rows(args):
             variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "")] if "loss_det" in mine else [])
             variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
             variants += [(False, "none")] if ("loss_nodk" in mine and cuda) else []
+            variants += [(False, "noprefetch"), (True, "noprefetch")] if ("loss_noprefetch" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
                 variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
             for det, dk in variants:
                 tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
-                os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = dk
+                os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"
+                os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
+                    "" if det and dk == "noprefetch" else ("red" if dk == "noprefetch" else dk))
 
                 def fwd(i, det=det):
                     s = leaves[i]
@@ -255,13 +259,14 @@ def rows(args):
                     loss.backward()
                     return loss
 
-                if not det and dk == "red":
+                if not det and dk in ("red", "noprefetch"):
                     med, ts = _time(fwd, args.sets, args.warmup, args.reps)
-                    _row(out, "loss_fwd", ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
+                    _row(out, "loss_fwd" + tag, ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
                 med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
                 _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
+            os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
             del leaves
         if peer is not None:
             _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)

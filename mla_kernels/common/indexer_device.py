@@ -201,12 +201,18 @@ class SparseKeyRing:
     buffers filled by ``cp.async`` from all 128 threads of a warpgroup
     (:class:`~mla_kernels.common.gather.KvGather`: invalid slots zero-filled, the K-major SW128
     layout wgmma reads).  Completion is tracked with cp.async groups: one group per block, always
-    committed (empty past the last block) so that ``wait`` can keep ``stages - 1`` in flight."""
+    committed (empty past the last block) so that ``wait`` can keep ``stages - 1`` in flight.
 
-    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32):
+    ``prefetch``: the indices of the next block are loaded (into a second register slot) when a
+    block is issued, so that a block's ``cp.async`` addresses are ready when it is issued instead
+    of waiting for the index loads (the first version: index load, then the dependent copies).
+    Blocks must then be issued in order from :meth:`start`'s block 0."""
+
+    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32, prefetch: bool = True):
         from .gather import KvGather
 
-        self.gather = KvGather(mK, mIdx, t, topk_len, tidx, d, slots=1)
+        self.prefetch = prefetch
+        self.gather = KvGather(mK, mIdx, t, topk_len, tidx, d, slots=2 if prefetch else 1)
         self.stages = stages
         self.base = base_addr
         self.stage_bytes = 64 * d * 2
@@ -219,12 +225,29 @@ class SparseKeyRing:
         return self
 
     @cute.jit
+    def start(self) -> None:
+        """With ``prefetch``: load block 0's indices (call once, before the first :meth:`issue`)."""
+        if const_expr(self.prefetch):
+            self.gather.load_indices(Int32(0), 1)
+
+    @cute.jit
     def issue(self, block: Int32, num_blocks: Int32) -> None:
         """cp.async block ``block`` into stage ``block % stages`` (nothing past the last block),
-        then commit a group."""
-        if block < num_blocks:
-            self.gather.load_indices(block, 0)
-            self.gather.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
+        then commit a group.  With ``prefetch`` blocks come in order: ``block``'s indices were
+        loaded by the previous call (or :meth:`start`); the next block's are loaded now (a slot
+        past ``topk`` reads a clamped index and is invalid: harmless past the last block)."""
+        if const_expr(self.prefetch):
+            g = self.gather
+            for j in cutlass.range_constexpr(g.rows_per_thread):
+                g.src[0, j] = g.src[1, j]
+                g.ok[0, j] = g.ok[1, j]
+            g.load_indices(block + 1, 1)
+            if block < num_blocks:
+                g.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
+        else:
+            if block < num_blocks:
+                self.gather.load_indices(block, 0)
+                self.gather.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
         cute.arch.cp_async_commit_group()
 
     @cute.jit

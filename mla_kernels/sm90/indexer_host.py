@@ -55,6 +55,9 @@ ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
+#: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
+#: first version) instead of one block ahead.
+ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
 FP8 = torch.float8_e4m3fn
 #: The loss kernels' largest top-k (``indexer_loss_fwd.MAX_TOPK``, repeated here so that the host
 #: side does not import the kernel module; a test checks that they agree).
@@ -134,16 +137,20 @@ def _compile_topk(return_logits, arch, batch, bitmap):
     return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap)
 
 
-def _compile_loss_fwd(d, has_tl, cap, arch):
+def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True):
     from .indexer_loss_fwd import compile_loss_fwd
 
-    return compile_loss_fwd(d, has_tl, cap, arch)
+    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch)
 
 
-def _compile_loss_bwd(d, has_tl, deterministic, arch, mode):
+def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True):
     from .indexer_loss_bwd import compile_loss_bwd
 
-    return compile_loss_bwd(d, has_tl, deterministic, arch, dk_mode=mode)
+    return compile_loss_bwd(d, has_tl, deterministic, arch, dk_mode=mode, prefetch=prefetch)
+
+
+def _loss_prefetch() -> bool:
+    return os.environ.get(ENV_LOSS_PREFETCH, "1").strip() != "0"
 
 
 def _score_fn(p):
@@ -242,7 +249,9 @@ def run_loss_fwd(p):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     cap = 2048 if topk_p <= 2048 else MAX_TOPK
     has_tl, arch = p.topk_length is not None, _arch(p)
-    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, arch), lambda: _compile_loss_fwd(p.d, has_tl, cap, arch))
+    pf = _loss_prefetch()
+    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, arch),
+                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf))
     loss = host.alloc((p.s_q,), torch.float32, p.device)
     lse = host.alloc((p.s_q,), torch.float32, p.device)
     inv = host.alloc((p.s_q,), torch.float32, p.device)
@@ -284,8 +293,9 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     has_tl, arch = p.topk_length is not None, _arch(p)
     mode = dk_mode(deterministic)
-    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, mode, arch),
-                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, mode))
+    pf = _loss_prefetch()
+    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, mode, pf, arch),
+                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, mode, pf))
     dev = p.device
     g = grad_rows.float().contiguous()
     lse, inv = lse.float().contiguous(), inv.float().contiguous()
