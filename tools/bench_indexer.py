@@ -45,7 +45,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
                          "registers or, _wsmem, read from smem per key tile; fp8 _kslate: k_scale loaded in the "
-                         "epilogue instead of before the MMA)")
+                         "epilogue instead of before the MMA; _chainsN: the head sums in N FMA chains instead of 4), "
+                         "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
+                         "MLA_KERNELS_INDEXER_SUM_PARTS=1 and 2)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -219,6 +221,8 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
+        if "sum_parts" in mine and cuda:
+            _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev)
         if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile" in mine and cuda:
@@ -276,6 +280,44 @@ def rows(args):
     return out
 
 
+def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
+    """``indexer_topk`` (bf16, fp8) and ``indexer_loss`` forward + backward with the head sums in 1
+    or 2 FMA chains (``MLA_KERNELS_INDEXER_SUM_PARTS``; the default rows use 4)."""
+    s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
+               qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+    idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
+    g = torch.Generator(device=dev).manual_seed(1)
+    tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
+    leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
+                   w=s["w"].clone().requires_grad_(True)) for s in sets]
+
+    def topk_bf16(i):
+        s = sets[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
+
+    def topk_fp8(i):
+        s = s8[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"], k_scale=s["ks"])
+
+    def loss(i):
+        s = leaves[i]
+        for x in s.values():
+            x.grad = None
+        out = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln)
+        out.backward()
+        return out
+
+    try:
+        for parts in ("1", "2"):
+            os.environ["MLA_KERNELS_INDEXER_SUM_PARTS"] = parts
+            for name, fn, fl in (("topk_bf16", topk_bf16, fl_scores), ("topk_fp8", topk_fp8, fl_scores),
+                                 ("loss_fwd_bwd", loss, 4 * fl_pass)):
+                med, ts = _time(fn, args.sets, args.warmup, args.reps)
+                _row(out, f"{name}_chains{parts}", "ours", S, TOPK, med, ts, fl)
+    finally:
+        os.environ.pop("MLA_KERNELS_INDEXER_SUM_PARTS", None)
+
+
 def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
     """The score kernel over all row blocks (bf16 and fp8) as built, without its stores, and with
     the MMAs alone (``IndexerScoreSm90(profile=...)`` timing copies): where its time goes."""
@@ -297,10 +339,11 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        variants = [("", True, True), ("nostore", True, True), ("mma", True, True), ("", False, True)]
-        variants += [("", True, False)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
-        for prof, w_regs, ks_early in variants:
-            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early)
+        variants = [("", True, True, 4), ("nostore", True, True, 4), ("mma", True, True, 4), ("", False, True, 4),
+                    ("", True, True, 1), ("", True, True, 2)]
+        variants += [("", True, False, 1)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
+        for prof, w_regs, ks_early, parts in variants:
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts)
 
             def f(i, fn=fn):
                 q2, k, w_eff, ks = ins[i]
@@ -309,7 +352,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
                     fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
-                   + ("" if ks_early else "_kslate"))
+                   + ("" if ks_early else "_kslate") + ("" if parts == 4 else f"_chains{parts}"))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

@@ -106,19 +106,38 @@ def quad_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32) -> None:
         n = half
 
 
+def _split_sums(terms, parts: int):
+    """Sum a list of ``(w, x)`` as ``sum w * x`` in ``parts`` independent FMA chains (term ``i``
+    into chain ``i % parts``), then a pairwise tree over the chains: ``parts`` times the
+    instruction-level parallelism of one serial chain (whose 4-cycle FMA latency per term, not
+    the instruction count, bounded the score kernel's epilogue)."""
+    chains = [None] * parts
+    for i, (w, x) in enumerate(terms):
+        c = i % parts
+        chains[c] = w * x if chains[c] is None else chains[c] + w * x
+    chains = [c for c in chains if c is not None]
+    while len(chains) > 1:
+        chains = [chains[i] + chains[i + 1] if i + 1 < len(chains) else chains[i] for i in range(0, len(chains), 2)]
+    return chains[0] if chains else Float32(0.0)
+
+
+#: Independent FMA chains per row sum of :func:`weighted_relu_rows` / :func:`weighted_relu_rows_reg`.
+SUM_PARTS = 4
+
+
 def weighted_relu_rows(acc: cute.Tensor, sW: cute.Tensor, w_off: Int32, col0: int, n_cols: int,
-                       lane_quad: Int32):
+                       lane_quad: Int32, parts: int = SUM_PARTS):
     """``(row 0 sum, row 1 sum)`` of ``sW[w_off + c] * relu(acc[row, c])`` over this thread's
     columns ``c`` in ``[col0, col0 + n_cols)`` (``col0``, ``n_cols`` multiples of 8) of a wgmma
-    accumulator fragment.  Partial: the quad's 4 lanes hold disjoint columns."""
-    s0 = Float32(0.0)
-    s1 = Float32(0.0)
+    accumulator fragment, each in ``parts`` FMA chains (:func:`_split_sums`).  Partial: the
+    quad's 4 lanes hold disjoint columns."""
+    t0, t1 = [], []
     for g in range(col0 // 8, (col0 + n_cols) // 8):
         for v0 in range(2):
             w = sW[w_off + 8 * g + 2 * lane_quad + v0]
-            s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
-            s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
-    return s0, s1
+            t0.append((w, cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))))
+            t1.append((w, cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))))
+    return _split_sums(t0, parts), _split_sums(t1, parts)
 
 
 def load_weight_cols(rW: cute.Tensor, sW: cute.Tensor, w_off: Int32, n_cols: int, lane_quad: Int32) -> None:
@@ -129,17 +148,16 @@ def load_weight_cols(rW: cute.Tensor, sW: cute.Tensor, w_off: Int32, n_cols: int
             rW[2 * g + v0] = sW[w_off + 8 * g + 2 * lane_quad + v0]
 
 
-def weighted_relu_rows_reg(acc: cute.Tensor, rW: cute.Tensor, col0: int, n_cols: int):
+def weighted_relu_rows_reg(acc: cute.Tensor, rW: cute.Tensor, col0: int, n_cols: int, parts: int = SUM_PARTS):
     """:func:`weighted_relu_rows` with the weights already in registers (``rW`` from
     :func:`load_weight_cols`): no shared-memory loads per tile."""
-    s0 = Float32(0.0)
-    s1 = Float32(0.0)
+    t0, t1 = [], []
     for g in range(col0 // 8, (col0 + n_cols) // 8):
         for v0 in range(2):
             w = rW[2 * g + v0]
-            s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
-            s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
-    return s0, s1
+            t0.append((w, cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))))
+            t1.append((w, cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))))
+    return _split_sums(t0, parts), _split_sums(t1, parts)
 
 
 def warp_inclusive_sum(x: Int32, lane: Int32) -> Int32:

@@ -68,7 +68,8 @@ MN_MAJ = OperandMajorMode.MN
 class IndexerLossBwdSm90:
     """Static configuration (d, topk_length given, deterministic) + launcher + kernel."""
 
-    def __init__(self, d: int, has_topk_length: bool, dk_mode: str = "red", prefetch: bool = True):
+    def __init__(self, d: int, has_topk_length: bool, dk_mode: str = "red", prefetch: bool = True,
+                 sum_parts: int = idev.SUM_PARTS):
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer loss takes d_idx 64 or 128, got {d}")
         if dk_mode not in DK_MODES:
@@ -77,6 +78,7 @@ class IndexerLossBwdSm90:
         self.has_topk_length = has_topk_length
         self.dk_mode = dk_mode
         self.prefetch = prefetch
+        self.sum_parts = sum_parts  # FMA chains per logit's head sum (indexer_device.weighted_relu_rows)
         self.deterministic = dk_mode == "slots"  # per-slot rows (the historical name of that path)
         self.dk_bulk = dk_mode == "bulk"
         self.fixed = dk_mode.startswith("fixed")
@@ -243,7 +245,7 @@ class IndexerLossBwdSm90:
             cute.nvgpu.warpgroup.wait_group(0)
 
             # dI per row of this thread (rows row0 and row0 + 8)
-            s0, s1 = idev.weighted_relu_rows(acc_s, sW, Int32(0), 0, H, lane_quad)
+            s0, s1 = idev.weighted_relu_rows(acc_s, sW, Int32(0), 0, H, lane_quad, self.sum_parts)
             s0 = dev.quad_sum(s0)
             s1 = dev.quad_sum(s1)
             d_i = cute.make_rmem_tensor((2,), Float32)
@@ -446,13 +448,13 @@ def dk_mode_of(deterministic: bool, dk_bulk: bool = False, dk_mode=None) -> str:
 
 
 def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", dk_bulk: bool = False,
-                     dk_mode=None, prefetch: bool = True, **kw):
+                     dk_mode=None, prefetch: bool = True, sum_parts: int = 4, **kw):
     """Compile the loss backward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     mode = dk_mode_of(deterministic, dk_bulk, dk_mode)
-    kernel = IndexerLossBwdSm90(d, has_topk_length, mode, prefetch)
+    kernel = IndexerLossBwdSm90(d, has_topk_length, mode, prefetch, sum_parts)
     extra = [host.fake(Float32, (cute.sym_int(),), align=4) for _ in range(3)]  # lse, inv, grad
     extra += [
         host.fake(BFloat16, (cute.sym_int(), H, d)),  # dq

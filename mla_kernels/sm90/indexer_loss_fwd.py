@@ -48,7 +48,8 @@ BAR_RED = 2
 class IndexerLossFwdSm90:
     """Static configuration (d, whether topk_length is given) + launcher + kernel."""
 
-    def __init__(self, d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, prefetch: bool = True):
+    def __init__(self, d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, prefetch: bool = True,
+                 sum_parts: int = idev.SUM_PARTS):
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer loss takes d_idx 64 or 128, got {d}")
         if topk_cap % B_TOPK or not 0 < topk_cap <= MAX_TOPK:
@@ -57,6 +58,7 @@ class IndexerLossFwdSm90:
         self.d = d
         self.has_topk_length = has_topk_length
         self.prefetch = prefetch
+        self.sum_parts = sum_parts  # FMA chains per logit's head sum (indexer_device.weighted_relu_rows)
         self.stages = 3 if d == 128 else 4
         self.smem_bytes = 0
 
@@ -157,7 +159,7 @@ class IndexerLossFwdSm90:
                 cute.gemm(mma_b, acc, tSrK[None, None, k, b % self.stages], tSrQ[None, None, k], acc)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-            s0, s1 = idev.weighted_relu_rows(acc, sW, Int32(0), 0, H, lane_quad)
+            s0, s1 = idev.weighted_relu_rows(acc, sW, Int32(0), 0, H, lane_quad, self.sum_parts)
             s0 = dev.quad_sum(s0)
             s1 = dev.quad_sum(s1)
             if lane_quad == 0:
@@ -228,12 +230,12 @@ def loss_fake_args(d: int, extra):
 
 
 def compile_loss_fwd(d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, arch: str = "sm_90a",
-                     prefetch: bool = True, **kw):
+                     prefetch: bool = True, sum_parts: int = 4, **kw):
     """Compile the loss forward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
-    kernel = IndexerLossFwdSm90(d, has_topk_length, topk_cap, prefetch)
+    kernel = IndexerLossFwdSm90(d, has_topk_length, topk_cap, prefetch, sum_parts)
     outs = [host.fake(Float32, (cute.sym_int(),), align=4) for _ in range(3)]
     args = loss_fake_args(d, outs + [host.fake_stream()])
     return kernel, _compile.compile_kernel(kernel, *args, arch=arch, **kw)

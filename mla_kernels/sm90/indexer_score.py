@@ -33,6 +33,10 @@ its iteration, before the pipeline wait and the MMA, so that their global-load l
 under the MMA instead of sitting in the epilogue (the first version loaded them just before the
 stores: measured 8.19 ms for the score kernel at S 32k, H200, where the MMAs alone take 5.42).
 
+``sum_parts``: each (key, query) head sum runs as that many independent FMA chains (a serial
+chain of 16 dependent FMAs per sum, the first version's ``sum_parts=1``, left the epilogue
+bound by FMA latency, not by its instruction count).
+
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
 """
@@ -71,7 +75,8 @@ def smem_atom_kind(row_bytes: int):
 class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
-    def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True):
+    def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True,
+                 sum_parts: int = idev.SUM_PARTS):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
@@ -81,6 +86,7 @@ class IndexerScoreSm90:
         self.profile = profile
         self.w_regs = w_regs
         self.ks_early = ks_early
+        self.sum_parts = sum_parts
         self.fp8 = fp8
         self.dtype = Float8E4M3FN if fp8 else BFloat16
         self.elem = 1 if fp8 else 2
@@ -303,9 +309,10 @@ class IndexerScoreSm90:
                 # head sum per (key row, query), then the quad reduce-scatter
                 for qi in cutlass.range_constexpr(self.bq):
                     if const_expr(self.w_regs):
-                        s0, s1 = idev.weighted_relu_rows_reg(acc, rW, qi * self.h, self.h)
+                        s0, s1 = idev.weighted_relu_rows_reg(acc, rW, qi * self.h, self.h, self.sum_parts)
                     else:
-                        s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad)
+                        s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad,
+                                                         self.sum_parts)
                     vals[2 * qi] = s0
                     vals[2 * qi + 1] = s1
                 idev.quad_reduce_scatter(vals, 2 * self.bq, lane)
@@ -331,14 +338,14 @@ class IndexerScoreSm90:
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  ks_early: bool = True, **kw):
+                  ks_early: bool = True, sum_parts: int = 4, **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
     n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld = (cute.sym_int() for _ in range(8))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early)
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),
