@@ -98,8 +98,8 @@ def test_loss_and_sum_settings(monkeypatch):
     from mla_kernels.sm90 import indexer_host
 
     monkeypatch.delenv(indexer_host.ENV_SUM_PARTS, raising=False)
-    assert indexer_host.sum_parts() == indexer_device.SUM_PARTS == 4
-    for v in ("1", "2", "8"):
+    assert indexer_host.sum_parts() == indexer_device.SUM_PARTS == 1
+    for v in ("1", "2", "4", "8"):
         monkeypatch.setenv(indexer_host.ENV_SUM_PARTS, v)
         assert indexer_host.sum_parts() == int(v)
     monkeypatch.setenv(indexer_host.ENV_SUM_PARTS, "3")

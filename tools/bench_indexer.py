@@ -45,9 +45,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
                          "registers or, _wsmem, read from smem per key tile; fp8 _kslate: k_scale loaded in the "
-                         "epilogue instead of before the MMA; _chainsN: the head sums in N FMA chains instead of 4), "
+                         "epilogue instead of before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
                          "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
-                         "MLA_KERNELS_INDEXER_SUM_PARTS=1 and 2)")
+                         "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -281,8 +281,8 @@ def rows(args):
 
 
 def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
-    """``indexer_topk`` (bf16, fp8) and ``indexer_loss`` forward + backward with the head sums in 1
-    or 2 FMA chains (``MLA_KERNELS_INDEXER_SUM_PARTS``; the default rows use 4)."""
+    """``indexer_topk`` (bf16, fp8) and ``indexer_loss`` forward + backward with the head sums in 2
+    or 4 FMA chains (``MLA_KERNELS_INDEXER_SUM_PARTS``; the default rows use 1)."""
     s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
                qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
     idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
@@ -308,7 +308,7 @@ def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
         return out
 
     try:
-        for parts in ("1", "2"):
+        for parts in ("2", "4"):
             os.environ["MLA_KERNELS_INDEXER_SUM_PARTS"] = parts
             for name, fn, fl in (("topk_bf16", topk_bf16, fl_scores), ("topk_fp8", topk_fp8, fl_scores),
                                  ("loss_fwd_bwd", loss, 4 * fl_pass)):
@@ -339,8 +339,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        variants = [("", True, True, 4), ("nostore", True, True, 4), ("mma", True, True, 4), ("", False, True, 4),
-                    ("", True, True, 1), ("", True, True, 2)]
+        variants = [("", True, True, 1), ("nostore", True, True, 1), ("mma", True, True, 1), ("", False, True, 1),
+                    ("", True, True, 2), ("", True, True, 4)]
         variants += [("", True, False, 1)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
         for prof, w_regs, ks_early, parts in variants:
             _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts)
@@ -352,7 +352,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
                     fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
-                   + ("" if ks_early else "_kslate") + ("" if parts == 4 else f"_chains{parts}"))
+                   + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}"))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

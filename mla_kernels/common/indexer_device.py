@@ -109,8 +109,8 @@ def quad_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32) -> None:
 def _split_sums(terms, parts: int):
     """Sum a list of ``(w, x)`` as ``sum w * x`` in ``parts`` independent FMA chains (term ``i``
     into chain ``i % parts``), then a pairwise tree over the chains: ``parts`` times the
-    instruction-level parallelism of one serial chain (whose 4-cycle FMA latency per term, not
-    the instruction count, bounded the score kernel's epilogue)."""
+    instruction-level parallelism of one serial chain, for a few more instructions (``parts=1``:
+    the serial chain, its first term a plain product)."""
     chains = [None] * parts
     for i, (w, x) in enumerate(terms):
         c = i % parts
@@ -121,8 +121,9 @@ def _split_sums(terms, parts: int):
     return chains[0] if chains else Float32(0.0)
 
 
-#: Independent FMA chains per row sum of :func:`weighted_relu_rows` / :func:`weighted_relu_rows_reg`.
-SUM_PARTS = 4
+#: Independent FMA chains per row sum of :func:`weighted_relu_rows` / :func:`weighted_relu_rows_reg`
+#: (1: the serial chain; 2 and 4 measured no clear gain end to end on an H200, see docs/PERF.md).
+SUM_PARTS = 1
 
 
 def weighted_relu_rows(acc: cute.Tensor, sW: cute.Tensor, w_off: Int32, col0: int, n_cols: int,

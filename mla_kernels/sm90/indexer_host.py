@@ -58,8 +58,8 @@ ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
 #: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
 #: first version) instead of one block ahead.
 ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
-#: Independent FMA chains per head sum in the score and loss kernels (1: the first version's
-#: serial chain; default :data:`~mla_kernels.common.indexer_device.SUM_PARTS`).
+#: Independent FMA chains per head sum in the score and loss kernels (default 1, the serial chain
+#: = :data:`~mla_kernels.common.indexer_device.SUM_PARTS`; 2 / 4 / 8 split it, see docs/PERF.md).
 ENV_SUM_PARTS = "MLA_KERNELS_INDEXER_SUM_PARTS"
 FP8 = torch.float8_e4m3fn
 #: The loss kernels' largest top-k (``indexer_loss_fwd.MAX_TOPK``, repeated here so that the host
@@ -132,13 +132,13 @@ def sum_parts() -> int:
     """The head sums' FMA chains for this call (:data:`ENV_SUM_PARTS`)."""
     v = os.environ.get(ENV_SUM_PARTS, "").strip()
     if not v:
-        return 4
+        return 1
     if v not in ("1", "2", "4", "8"):
         raise ValueError(f"{ENV_SUM_PARTS}={v!r}: expected 1, 2, 4 or 8")
     return int(v)
 
 
-def _compile_score(fp8, h, d, arch, w_regs, parts=4):
+def _compile_score(fp8, h, d, arch, w_regs, parts=1):
     from .indexer_score import compile_score
 
     return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts)
@@ -150,13 +150,13 @@ def _compile_topk(return_logits, arch, batch, bitmap):
     return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap)
 
 
-def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=4):
+def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1):
     from .indexer_loss_fwd import compile_loss_fwd
 
     return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts)
 
 
-def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts=4):
+def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts=1):
     from .indexer_loss_bwd import compile_loss_bwd
 
     return compile_loss_bwd(d, has_tl, deterministic, arch, dk_mode=mode, prefetch=prefetch, sum_parts=parts)

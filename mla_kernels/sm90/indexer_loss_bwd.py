@@ -448,7 +448,7 @@ def dk_mode_of(deterministic: bool, dk_bulk: bool = False, dk_mode=None) -> str:
 
 
 def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", dk_bulk: bool = False,
-                     dk_mode=None, prefetch: bool = True, sum_parts: int = 4, **kw):
+                     dk_mode=None, prefetch: bool = True, sum_parts: int = 1, **kw):
     """Compile the loss backward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host

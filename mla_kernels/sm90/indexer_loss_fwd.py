@@ -230,7 +230,7 @@ def loss_fake_args(d: int, extra):
 
 
 def compile_loss_fwd(d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, arch: str = "sm_90a",
-                     prefetch: bool = True, sum_parts: int = 4, **kw):
+                     prefetch: bool = True, sum_parts: int = 1, **kw):
     """Compile the loss forward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host

@@ -33,9 +33,11 @@ its iteration, before the pipeline wait and the MMA, so that their global-load l
 under the MMA instead of sitting in the epilogue (the first version loaded them just before the
 stores: measured 8.19 ms for the score kernel at S 32k, H200, where the MMAs alone take 5.42).
 
-``sum_parts``: each (key, query) head sum runs as that many independent FMA chains (a serial
-chain of 16 dependent FMAs per sum, the first version's ``sum_parts=1``, left the epilogue
-bound by FMA latency, not by its instruction count).
+``sum_parts``: each (key, query) head sum runs as that many independent FMA chains (default 1:
+the serial chain of 16 dependent FMAs per lane and sum, which ptxas schedules one chain after
+another between the ReLUs; 2 and 4 interleave them at the cost of a few FADDs -- on an H200 they
+moved ``indexer_topk`` fp8 by -0.3 / -0.2 ms and bf16 by +0.4 / +1.7 ms in one run, so they stay
+options).
 
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
@@ -338,7 +340,7 @@ class IndexerScoreSm90:
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  ks_early: bool = True, sum_parts: int = 4, **kw):
+                  ks_early: bool = True, sum_parts: int = 1, **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
