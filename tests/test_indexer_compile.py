@@ -91,6 +91,26 @@ def test_sm90_indexer_support_answers():
     assert "dtype" in indexer_host.supports("indexer_loss_fwd", lprob(dtype=torch.float32))
 
 
+def test_loss_and_sum_settings(monkeypatch):
+    """The environment settings of the indexer kernels' variants: validated, default = the
+    kernels' own defaults."""
+    from mla_kernels.common import indexer_device
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.delenv(indexer_host.ENV_SUM_PARTS, raising=False)
+    assert indexer_host.sum_parts() == indexer_device.SUM_PARTS == 1
+    for v in ("1", "2", "4", "8"):
+        monkeypatch.setenv(indexer_host.ENV_SUM_PARTS, v)
+        assert indexer_host.sum_parts() == int(v)
+    monkeypatch.setenv(indexer_host.ENV_SUM_PARTS, "3")
+    with pytest.raises(ValueError, match="1, 2, 4 or 8"):
+        indexer_host.sum_parts()
+    monkeypatch.delenv(indexer_host.ENV_LOSS_PREFETCH, raising=False)
+    assert indexer_host._loss_prefetch() is True
+    monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, "0")
+    assert indexer_host._loss_prefetch() is False
+
+
 def test_topk_workspace_rows():
     from mla_kernels.sm90 import indexer_host
 

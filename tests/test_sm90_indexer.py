@@ -97,6 +97,27 @@ def test_logits_integer_exact(fp8, monkeypatch):
     check_logits(got, want, exact=True)
 
 
+@pytest.mark.parametrize("parts", ["2", "4"])
+def test_head_sum_chains(parts, monkeypatch):
+    """MLA_KERNELS_INDEXER_SUM_PARTS (the head sums' FMA chains; default 1): any split sums the
+    same terms in another order -- logits within float32 rounding of the reference, integer
+    inputs exact, the loss rows near the reference."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_SUM_PARTS, parts)
+    q, k, w, _, _ = rand_inputs(77, 64, 128, 1000, seed=21)
+    kst, ken = ranges(77, 1000, "ranges", seed=77)
+    got = mk.indexer_logits(q, k, w, sm_scale=0.3, k_start=kst, k_end=ken)
+    check_logits(got, ref.indexer_logits_ref(q, k, w, 0.3, kst, ken), rtol=2e-5)
+    q, k, w, _, _ = rand_inputs(200, 64, 128, 700, seed=3, integer=True)
+    check_logits(mk.indexer_logits(q, k, w, sm_scale=0.5), ref.indexer_logits_ref(q, k, w, 0.5), exact=True)
+    q, k, w, idx, tgt, lens = loss_case(150, 700, 300, 128, seed=10, tl=True)
+    rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=128 ** -0.5, topk_length=lens, reduction="none")
+    want = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, 128 ** -0.5, lens)[0]
+    assert rel_l2(rows.float(), want) <= 1e-3
+
+
 def naive_select(scores, start, end, topk):
     """The top-k definition on a float64 score matrix (rows = queries): (indices, length)."""
     s_q = scores.shape[0]
@@ -419,6 +440,29 @@ def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
         if mode.startswith("fixed"):
             assert torch.equal(got[mode][1], got["fixed_bulk"][1]), f"{mode} dk differs from fixed_bulk's"
             assert torch.equal(got[mode][0], got["fixed_bulk"][0]) and torch.equal(got[mode][2], got["fixed_bulk"][2])
+
+
+@pytest.mark.parametrize("d,tl", [(128, True), (64, False)])
+def test_loss_prefetch_matches_the_first_version(d, tl, monkeypatch):
+    """The loss kernels' one-block-ahead loads (indices for the gather and the logits, targets)
+    change when values arrive, not what is computed: the loss rows and the deterministic
+    gradients are bitwise those of MLA_KERNELS_INDEXER_LOSS_PREFETCH=0 (with key-index padding,
+    invalid and duplicate slots, topk_length, an empty row)."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(150, 700, 300, d, seed=9, tl=tl)
+    g_rows = torch.randn(150, generator=torch.Generator().manual_seed(5)).cuda()
+    out = {}
+    for pf in ("1", "0"):
+        monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, pf)
+        rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
+        out[pf] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+    torch.cuda.synchronize()
+    for a, b in zip(out["1"], out["0"]):
+        assert torch.equal(a, b)
+    want = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)[0]
+    assert rel_l2(out["1"][0].float(), want) <= 1e-3
 
 
 @pytest.mark.parametrize("mag", [2.0 ** -30, 2.0 ** 24])

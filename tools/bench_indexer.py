@@ -40,10 +40,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
                     help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
-                         "loss_det_modes (every deterministic dk mode), loss_nodk (profiling: the backward "
+                         "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
+                         "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
-                         "registers or, _wsmem, read from smem per key tile)")
+                         "registers or, _wsmem, read from smem per key tile; fp8 _kslate: k_scale loaded in the "
+                         "epilogue instead of before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
+                         "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
+                         "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -217,11 +221,13 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
+        if "sum_parts" in mine and cuda:
+            _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev)
         if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores)
-        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk")
+        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch")
         if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
@@ -233,11 +239,14 @@ def rows(args):
             variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "")] if "loss_det" in mine else [])
             variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
             variants += [(False, "none")] if ("loss_nodk" in mine and cuda) else []
+            variants += [(False, "noprefetch"), (True, "noprefetch")] if ("loss_noprefetch" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
                 variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
             for det, dk in variants:
                 tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
-                os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = dk
+                os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"
+                os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
+                    "" if det and dk == "noprefetch" else ("red" if dk == "noprefetch" else dk))
 
                 def fwd(i, det=det):
                     s = leaves[i]
@@ -254,13 +263,14 @@ def rows(args):
                     loss.backward()
                     return loss
 
-                if not det and dk == "red":
+                if not det and dk in ("red", "noprefetch"):
                     med, ts = _time(fwd, args.sets, args.warmup, args.reps)
-                    _row(out, "loss_fwd", ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
+                    _row(out, "loss_fwd" + tag, ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
                 med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
                 _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
+            os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
             del leaves
         if peer is not None:
             _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)
@@ -268,6 +278,44 @@ def rows(args):
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
+    """``indexer_topk`` (bf16, fp8) and ``indexer_loss`` forward + backward with the head sums in 2
+    or 4 FMA chains (``MLA_KERNELS_INDEXER_SUM_PARTS``; the default rows use 1)."""
+    s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
+               qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+    idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
+    g = torch.Generator(device=dev).manual_seed(1)
+    tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
+    leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
+                   w=s["w"].clone().requires_grad_(True)) for s in sets]
+
+    def topk_bf16(i):
+        s = sets[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
+
+    def topk_fp8(i):
+        s = s8[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"], k_scale=s["ks"])
+
+    def loss(i):
+        s = leaves[i]
+        for x in s.values():
+            x.grad = None
+        out = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln)
+        out.backward()
+        return out
+
+    try:
+        for parts in ("2", "4"):
+            os.environ["MLA_KERNELS_INDEXER_SUM_PARTS"] = parts
+            for name, fn, fl in (("topk_bf16", topk_bf16, fl_scores), ("topk_fp8", topk_fp8, fl_scores),
+                                 ("loss_fwd_bwd", loss, 4 * fl_pass)):
+                med, ts = _time(fn, args.sets, args.warmup, args.reps)
+                _row(out, f"{name}_chains{parts}", "ours", S, TOPK, med, ts, fl)
+    finally:
+        os.environ.pop("MLA_KERNELS_INDEXER_SUM_PARTS", None)
 
 
 def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
@@ -291,8 +339,11 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        for prof, w_regs in (("", True), ("nostore", True), ("mma", True), ("", False), ("nostore", False)):
-            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs)
+        variants = [("", True, True, 1), ("nostore", True, True, 1), ("mma", True, True, 1), ("", False, True, 1),
+                    ("", True, True, 2), ("", True, True, 4)]
+        variants += [("", True, False, 1)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
+        for prof, w_regs, ks_early, parts in variants:
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts)
 
             def f(i, fn=fn):
                 q2, k, w_eff, ks = ins[i]
@@ -300,7 +351,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
                 for q0 in range(0, S, rows):
                     fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
-            tag = f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
+            tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
+                   + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}"))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

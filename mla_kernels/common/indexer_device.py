@@ -106,19 +106,39 @@ def quad_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32) -> None:
         n = half
 
 
+def _split_sums(terms, parts: int):
+    """Sum a list of ``(w, x)`` as ``sum w * x`` in ``parts`` independent FMA chains (term ``i``
+    into chain ``i % parts``), then a pairwise tree over the chains: ``parts`` times the
+    instruction-level parallelism of one serial chain, for a few more instructions (``parts=1``:
+    the serial chain, its first term a plain product)."""
+    chains = [None] * parts
+    for i, (w, x) in enumerate(terms):
+        c = i % parts
+        chains[c] = w * x if chains[c] is None else chains[c] + w * x
+    chains = [c for c in chains if c is not None]
+    while len(chains) > 1:
+        chains = [chains[i] + chains[i + 1] if i + 1 < len(chains) else chains[i] for i in range(0, len(chains), 2)]
+    return chains[0] if chains else Float32(0.0)
+
+
+#: Independent FMA chains per row sum of :func:`weighted_relu_rows` / :func:`weighted_relu_rows_reg`
+#: (1: the serial chain; 2 and 4 measured no clear gain end to end on an H200, see docs/PERF.md).
+SUM_PARTS = 1
+
+
 def weighted_relu_rows(acc: cute.Tensor, sW: cute.Tensor, w_off: Int32, col0: int, n_cols: int,
-                       lane_quad: Int32):
+                       lane_quad: Int32, parts: int = SUM_PARTS):
     """``(row 0 sum, row 1 sum)`` of ``sW[w_off + c] * relu(acc[row, c])`` over this thread's
     columns ``c`` in ``[col0, col0 + n_cols)`` (``col0``, ``n_cols`` multiples of 8) of a wgmma
-    accumulator fragment.  Partial: the quad's 4 lanes hold disjoint columns."""
-    s0 = Float32(0.0)
-    s1 = Float32(0.0)
+    accumulator fragment, each in ``parts`` FMA chains (:func:`_split_sums`).  Partial: the
+    quad's 4 lanes hold disjoint columns."""
+    t0, t1 = [], []
     for g in range(col0 // 8, (col0 + n_cols) // 8):
         for v0 in range(2):
             w = sW[w_off + 8 * g + 2 * lane_quad + v0]
-            s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
-            s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
-    return s0, s1
+            t0.append((w, cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))))
+            t1.append((w, cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))))
+    return _split_sums(t0, parts), _split_sums(t1, parts)
 
 
 def load_weight_cols(rW: cute.Tensor, sW: cute.Tensor, w_off: Int32, n_cols: int, lane_quad: Int32) -> None:
@@ -129,17 +149,16 @@ def load_weight_cols(rW: cute.Tensor, sW: cute.Tensor, w_off: Int32, n_cols: int
             rW[2 * g + v0] = sW[w_off + 8 * g + 2 * lane_quad + v0]
 
 
-def weighted_relu_rows_reg(acc: cute.Tensor, rW: cute.Tensor, col0: int, n_cols: int):
+def weighted_relu_rows_reg(acc: cute.Tensor, rW: cute.Tensor, col0: int, n_cols: int, parts: int = SUM_PARTS):
     """:func:`weighted_relu_rows` with the weights already in registers (``rW`` from
     :func:`load_weight_cols`): no shared-memory loads per tile."""
-    s0 = Float32(0.0)
-    s1 = Float32(0.0)
+    t0, t1 = [], []
     for g in range(col0 // 8, (col0 + n_cols) // 8):
         for v0 in range(2):
             w = rW[2 * g + v0]
-            s0 = s0 + w * cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))
-            s1 = s1 + w * cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))
-    return s0, s1
+            t0.append((w, cute.arch.fmax(acc[acc_flat(v0, 0, g)], Float32(0.0))))
+            t1.append((w, cute.arch.fmax(acc[acc_flat(v0, 1, g)], Float32(0.0))))
+    return _split_sums(t0, parts), _split_sums(t1, parts)
 
 
 def warp_inclusive_sum(x: Int32, lane: Int32) -> Int32:
@@ -201,12 +220,18 @@ class SparseKeyRing:
     buffers filled by ``cp.async`` from all 128 threads of a warpgroup
     (:class:`~mla_kernels.common.gather.KvGather`: invalid slots zero-filled, the K-major SW128
     layout wgmma reads).  Completion is tracked with cp.async groups: one group per block, always
-    committed (empty past the last block) so that ``wait`` can keep ``stages - 1`` in flight."""
+    committed (empty past the last block) so that ``wait`` can keep ``stages - 1`` in flight.
 
-    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32):
+    ``prefetch``: the indices of the next block are loaded (into a second register slot) when a
+    block is issued, so that a block's ``cp.async`` addresses are ready when it is issued instead
+    of waiting for the index loads (the first version: index load, then the dependent copies).
+    Blocks must then be issued in order from :meth:`start`'s block 0."""
+
+    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32, prefetch: bool = True):
         from .gather import KvGather
 
-        self.gather = KvGather(mK, mIdx, t, topk_len, tidx, d, slots=1)
+        self.prefetch = prefetch
+        self.gather = KvGather(mK, mIdx, t, topk_len, tidx, d, slots=2 if prefetch else 1)
         self.stages = stages
         self.base = base_addr
         self.stage_bytes = 64 * d * 2
@@ -219,12 +244,29 @@ class SparseKeyRing:
         return self
 
     @cute.jit
+    def start(self) -> None:
+        """With ``prefetch``: load block 0's indices (call once, before the first :meth:`issue`)."""
+        if const_expr(self.prefetch):
+            self.gather.load_indices(Int32(0), 1)
+
+    @cute.jit
     def issue(self, block: Int32, num_blocks: Int32) -> None:
         """cp.async block ``block`` into stage ``block % stages`` (nothing past the last block),
-        then commit a group."""
-        if block < num_blocks:
-            self.gather.load_indices(block, 0)
-            self.gather.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
+        then commit a group.  With ``prefetch`` blocks come in order: ``block``'s indices were
+        loaded by the previous call (or :meth:`start`); the next block's are loaded now (a slot
+        past ``topk`` reads a clamped index and is invalid: harmless past the last block)."""
+        if const_expr(self.prefetch):
+            g = self.gather
+            for j in cutlass.range_constexpr(g.rows_per_thread):
+                g.src[0, j] = g.src[1, j]
+                g.ok[0, j] = g.ok[1, j]
+            g.load_indices(block + 1, 1)
+            if block < num_blocks:
+                g.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
+        else:
+            if block < num_blocks:
+                self.gather.load_indices(block, 0)
+                self.gather.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
         cute.arch.cp_async_commit_group()
 
     @cute.jit

@@ -55,6 +55,12 @@ ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
+#: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
+#: first version) instead of one block ahead.
+ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
+#: Independent FMA chains per head sum in the score and loss kernels (default 1, the serial chain
+#: = :data:`~mla_kernels.common.indexer_device.SUM_PARTS`; 2 / 4 / 8 split it, see docs/PERF.md).
+ENV_SUM_PARTS = "MLA_KERNELS_INDEXER_SUM_PARTS"
 FP8 = torch.float8_e4m3fn
 #: The loss kernels' largest top-k (``indexer_loss_fwd.MAX_TOPK``, repeated here so that the host
 #: side does not import the kernel module; a test checks that they agree).
@@ -122,10 +128,20 @@ def _score_inputs(p):
 # compile-cache key), never on a call whose kernel comes from memory or the on-disk cache.
 
 
-def _compile_score(fp8, h, d, arch, w_regs):
+def sum_parts() -> int:
+    """The head sums' FMA chains for this call (:data:`ENV_SUM_PARTS`)."""
+    v = os.environ.get(ENV_SUM_PARTS, "").strip()
+    if not v:
+        return 1
+    if v not in ("1", "2", "4", "8"):
+        raise ValueError(f"{ENV_SUM_PARTS}={v!r}: expected 1, 2, 4 or 8")
+    return int(v)
+
+
+def _compile_score(fp8, h, d, arch, w_regs, parts=1):
     from .indexer_score import compile_score
 
-    return compile_score(fp8, h, d, arch, w_regs=w_regs)
+    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts)
 
 
 def _compile_topk(return_logits, arch, batch, bitmap):
@@ -134,23 +150,28 @@ def _compile_topk(return_logits, arch, batch, bitmap):
     return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap)
 
 
-def _compile_loss_fwd(d, has_tl, cap, arch):
+def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1):
     from .indexer_loss_fwd import compile_loss_fwd
 
-    return compile_loss_fwd(d, has_tl, cap, arch)
+    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts)
 
 
-def _compile_loss_bwd(d, has_tl, deterministic, arch, mode):
+def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts=1):
     from .indexer_loss_bwd import compile_loss_bwd
 
-    return compile_loss_bwd(d, has_tl, deterministic, arch, dk_mode=mode)
+    return compile_loss_bwd(d, has_tl, deterministic, arch, dk_mode=mode, prefetch=prefetch, sum_parts=parts)
+
+
+def _loss_prefetch() -> bool:
+    return os.environ.get(ENV_LOSS_PREFETCH, "1").strip() != "0"
 
 
 def _score_fn(p):
     fp8, arch = p.is_fp8, _arch(p)
     w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, arch),
-                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs))
+    parts = sum_parts()
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, arch),
+                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts))
 
 
 def _topk_fn(p, return_logits: bool):
@@ -242,7 +263,9 @@ def run_loss_fwd(p):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     cap = 2048 if topk_p <= 2048 else MAX_TOPK
     has_tl, arch = p.topk_length is not None, _arch(p)
-    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, arch), lambda: _compile_loss_fwd(p.d, has_tl, cap, arch))
+    pf, parts = _loss_prefetch(), sum_parts()
+    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, parts, arch),
+                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf, parts))
     loss = host.alloc((p.s_q,), torch.float32, p.device)
     lse = host.alloc((p.s_q,), torch.float32, p.device)
     inv = host.alloc((p.s_q,), torch.float32, p.device)
@@ -284,8 +307,9 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     has_tl, arch = p.topk_length is not None, _arch(p)
     mode = dk_mode(deterministic)
-    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, mode, arch),
-                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, mode))
+    pf, parts = _loss_prefetch(), sum_parts()
+    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, mode, pf, parts, arch),
+                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, mode, pf, parts))
     dev = p.device
     g = grad_rows.float().contiguous()
     lse, inv = lse.float().contiguous(), inv.float().contiguous()

@@ -27,6 +27,9 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
 4. ``dS^T`` through shared memory (stmatrix) for ``dq_t += dS K_sel`` (wgmma SS, both operands
    MN-major views), accumulated in registers over the blocks.
 
+The slots' indices and targets (for ``dI``) are loaded one block ahead (``prefetch``; the first
+version loaded them after the S MMA, in the dependent path of every block).
+
 At the end ``dq_t`` (bf16) and ``dw_t = sm_scale * sum`` are stored.  A row with
 ``inv_tsum = 0`` (no valid slot or zero target sum) skips the blocks and stores zeros.
 ``w_eff = weights * sm_scale``.
@@ -65,7 +68,8 @@ MN_MAJ = OperandMajorMode.MN
 class IndexerLossBwdSm90:
     """Static configuration (d, topk_length given, deterministic) + launcher + kernel."""
 
-    def __init__(self, d: int, has_topk_length: bool, dk_mode: str = "red"):
+    def __init__(self, d: int, has_topk_length: bool, dk_mode: str = "red", prefetch: bool = True,
+                 sum_parts: int = idev.SUM_PARTS):
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer loss takes d_idx 64 or 128, got {d}")
         if dk_mode not in DK_MODES:
@@ -73,6 +77,8 @@ class IndexerLossBwdSm90:
         self.d = d
         self.has_topk_length = has_topk_length
         self.dk_mode = dk_mode
+        self.prefetch = prefetch
+        self.sum_parts = sum_parts  # FMA chains per logit's head sum (indexer_device.weighted_relu_rows)
         self.deterministic = dk_mode == "slots"  # per-slot rows (the historical name of that path)
         self.dk_bulk = dk_mode == "bulk"
         self.fixed = dk_mode.startswith("fixed")
@@ -169,7 +175,8 @@ class IndexerLossBwdSm90:
         if tidx < H:
             sW[tidx] = mW[t, tidx]
         ring = idev.SparseKeyRing(mK, mIdx, t, topk_len, tidx, self.d, self.stages,
-                                  dev.smem_addr_u32(storage.sK.data_ptr()))
+                                  dev.smem_addr_u32(storage.sK.data_ptr()), self.prefetch)
+        ring.start()
         for s in cutlass.range_constexpr(self.stages - 1):
             ring.issue(Int32(s), num_blocks)
 
@@ -211,8 +218,22 @@ class IndexerLossBwdSm90:
         ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (r8 & 3) + 4 * (lane_quad >> 1)) * elem_bytes)
         row_bytes = self.d * elem_bytes
 
+        # this thread's two slots' index and target, loaded one block ahead (``prefetch``): their
+        # global-load latency hides under the previous block instead of stalling dI
+        rIdx = cute.make_rmem_tensor((2,), Int32)
+        rTgt = cute.make_rmem_tensor((2,), Float32)
+        if const_expr(self.prefetch):
+            self._load_slots(rIdx, rTgt, mIdx, mTarget, t, Int32(0), row0, topk)
         for b in cutlass.range(num_blocks, unroll=1):
             stage = b % self.stages
+            cIdx = cute.make_rmem_tensor((2,), Int32)
+            cTgt = cute.make_rmem_tensor((2,), Float32)
+            if const_expr(self.prefetch):
+                for r in cutlass.range_constexpr(2):
+                    cIdx[r] = rIdx[r]
+                    cTgt[r] = rTgt[r]
+                if b + 1 < num_blocks:
+                    self._load_slots(rIdx, rTgt, mIdx, mTarget, t, b + 1, row0, topk)
             ring.issue(b + self.stages - 1, num_blocks)
             ring.wait(BAR_RING)
             mma_b = self._mma(K_MAJ, K_MAJ, H)
@@ -224,17 +245,24 @@ class IndexerLossBwdSm90:
             cute.nvgpu.warpgroup.wait_group(0)
 
             # dI per row of this thread (rows row0 and row0 + 8)
-            s0, s1 = idev.weighted_relu_rows(acc_s, sW, Int32(0), 0, H, lane_quad)
+            s0, s1 = idev.weighted_relu_rows(acc_s, sW, Int32(0), 0, H, lane_quad, self.sum_parts)
             s0 = dev.quad_sum(s0)
             s1 = dev.quad_sum(s1)
             d_i = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
                 j = b * B_TOPK + row0 + 8 * r
-                idx = mIdx[t, cutlass.min(j, topk - 1)]
+                idx = Int32(0)
+                tg = Float32(0.0)
+                if const_expr(self.prefetch):
+                    idx = cIdx[r]
+                    tg = cTgt[r]
+                else:
+                    idx = mIdx[t, cutlass.min(j, topk - 1)]
+                    tg = mTarget[t, j]
                 ok = dev.slot_valid(idx, j, s_kv, topk_len)
                 logit = s0 if r == 0 else s1
                 pi = cute.math.exp(logit - lse)
-                p = mTarget[t, j] * inv
+                p = tg * inv
                 d_i[r] = Float32(cutlass.select_(ok, (pi - p) * g, Float32(0.0)))
                 if lane_quad == 0:
                     sIdx[row0 + 8 * r] = Int32(cutlass.select_(ok, idx, Int32(-1)))
@@ -294,6 +322,15 @@ class IndexerLossBwdSm90:
         if tidx < H:
             tot = sDw[tidx] + sDw[H + tidx] + sDw[2 * H + tidx] + sDw[3 * H + tidx]
             mDw[t, tidx] = tot * sm_scale
+
+    @cute.jit
+    def _load_slots(self, rIdx, rTgt, mIdx, mTarget, t, b, row0, topk):
+        """``rIdx[r], rTgt[r]`` = index and target of slot ``b * 64 + row0 + 8 r`` (topk is a multiple
+        of 64: always inside the row)."""
+        for r in cutlass.range_constexpr(2):
+            j = b * B_TOPK + row0 + 8 * r
+            rIdx[r] = mIdx[t, j]
+            rTgt[r] = mTarget[t, j]
 
     @cute.jit
     def _dk_chunk(self, thr_k, acc_dk, tKrDS, sQt, ch: cutlass.Constexpr):
@@ -411,13 +448,13 @@ def dk_mode_of(deterministic: bool, dk_bulk: bool = False, dk_mode=None) -> str:
 
 
 def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: str = "sm_90a", dk_bulk: bool = False,
-                     dk_mode=None, **kw):
+                     dk_mode=None, prefetch: bool = True, sum_parts: int = 1, **kw):
     """Compile the loss backward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     mode = dk_mode_of(deterministic, dk_bulk, dk_mode)
-    kernel = IndexerLossBwdSm90(d, has_topk_length, mode)
+    kernel = IndexerLossBwdSm90(d, has_topk_length, mode, prefetch, sum_parts)
     extra = [host.fake(Float32, (cute.sym_int(),), align=4) for _ in range(3)]  # lse, inv, grad
     extra += [
         host.fake(BFloat16, (cute.sym_int(), H, d)),  # dq

@@ -12,6 +12,10 @@ shuffles), and the block's logits go to shared memory (``-inf`` on invalid slots
 block reductions.  Outputs per query: ``loss``, ``lse`` and ``inv_tsum = 1 / tsum`` (0 for a row
 with no valid slot or a zero target sum, whose loss is 0) -- what the backward needs.
 
+``prefetch`` (default): the gather's indices and the logits' slot indices are loaded one block
+ahead (the first version loaded each block's indices right before the copies and the stores that
+need them: a global-load latency in every block's dependent path).
+
 ``w_eff = weights * sm_scale`` comes from the host; ``topk`` is padded to a multiple of 64 (slots
 -1, target 0) and at most ``topk_cap`` (<= :data:`MAX_TOPK`; 2048 keeps smem at 72 KB, three
 CTAs per SM).
@@ -44,7 +48,8 @@ BAR_RED = 2
 class IndexerLossFwdSm90:
     """Static configuration (d, whether topk_length is given) + launcher + kernel."""
 
-    def __init__(self, d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK):
+    def __init__(self, d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, prefetch: bool = True,
+                 sum_parts: int = idev.SUM_PARTS):
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer loss takes d_idx 64 or 128, got {d}")
         if topk_cap % B_TOPK or not 0 < topk_cap <= MAX_TOPK:
@@ -52,6 +57,8 @@ class IndexerLossFwdSm90:
         self.topk_cap = topk_cap  # logits buffer (slots); the host picks the smallest that fits
         self.d = d
         self.has_topk_length = has_topk_length
+        self.prefetch = prefetch
+        self.sum_parts = sum_parts  # FMA chains per logit's head sum (indexer_device.weighted_relu_rows)
         self.stages = 3 if d == 128 else 4
         self.smem_bytes = 0
 
@@ -118,7 +125,8 @@ class IndexerLossFwdSm90:
         if tidx < H:
             sW[tidx] = mW[t, tidx]
         ring = idev.SparseKeyRing(mK, mIdx, t, topk_len, tidx, self.d, self.stages,
-                                  dev.smem_addr_u32(storage.sK.data_ptr()))
+                                  dev.smem_addr_u32(storage.sK.data_ptr()), self.prefetch)
+        ring.start()
         for s in cutlass.range_constexpr(self.stages - 1):
             ring.issue(Int32(s), num_blocks)
 
@@ -129,7 +137,19 @@ class IndexerLossFwdSm90:
         acc = thr.make_fragment_C(thr.partition_shape_C((B_TOPK, H)))
         lane_quad = tidx % 4
         row0 = dev.fragment_row(tidx, 0)
+        # the two slots' indices of this thread (lane_quad 0 writes the logits), one block ahead
+        rIdx = cute.make_rmem_tensor((2,), Int32)
+        if const_expr(self.prefetch):
+            for r in cutlass.range_constexpr(2):
+                rIdx[r] = mIdx[t, row0 + 8 * r]
         for b in cutlass.range(num_blocks, unroll=1):
+            cIdx = cute.make_rmem_tensor((2,), Int32)
+            if const_expr(self.prefetch):
+                for r in cutlass.range_constexpr(2):
+                    cIdx[r] = rIdx[r]
+                if b + 1 < num_blocks:
+                    for r in cutlass.range_constexpr(2):
+                        rIdx[r] = mIdx[t, (b + 1) * B_TOPK + row0 + 8 * r]
             ring.issue(b + self.stages - 1, num_blocks)
             ring.wait(BAR_RING)
             mma_b = self._mma()
@@ -139,13 +159,17 @@ class IndexerLossFwdSm90:
                 cute.gemm(mma_b, acc, tSrK[None, None, k, b % self.stages], tSrQ[None, None, k], acc)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-            s0, s1 = idev.weighted_relu_rows(acc, sW, Int32(0), 0, H, lane_quad)
+            s0, s1 = idev.weighted_relu_rows(acc, sW, Int32(0), 0, H, lane_quad, self.sum_parts)
             s0 = dev.quad_sum(s0)
             s1 = dev.quad_sum(s1)
             if lane_quad == 0:
                 for r in cutlass.range_constexpr(2):
                     j = b * B_TOPK + row0 + 8 * r
-                    idx = mIdx[t, cutlass.min(j, topk - 1)]
+                    idx = Int32(0)
+                    if const_expr(self.prefetch):
+                        idx = cIdx[r]
+                    else:
+                        idx = mIdx[t, cutlass.min(j, topk - 1)]
                     ok = dev.slot_valid(idx, j, s_kv, topk_len)
                     sLogit[j] = Float32(cutlass.select_(ok, s0 if r == 0 else s1, Float32(-math.inf)))
             # every thread's wgmma has read the stage the next iteration refills
@@ -205,12 +229,13 @@ def loss_fake_args(d: int, extra):
     ) + tuple(extra)
 
 
-def compile_loss_fwd(d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, arch: str = "sm_90a", **kw):
+def compile_loss_fwd(d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, arch: str = "sm_90a",
+                     prefetch: bool = True, sum_parts: int = 1, **kw):
     """Compile the loss forward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
-    kernel = IndexerLossFwdSm90(d, has_topk_length, topk_cap)
+    kernel = IndexerLossFwdSm90(d, has_topk_length, topk_cap, prefetch, sum_parts)
     outs = [host.fake(Float32, (cute.sym_int(),), align=4) for _ in range(3)]
     args = loss_fake_args(d, outs + [host.fake_stream()])
     return kernel, _compile.compile_kernel(kernel, *args, arch=arch, **kw)

@@ -28,6 +28,17 @@ Heavy query tiles (late in a causal sequence) are launched first.
 of reading them from shared memory for every key tile (64 loads per thread per tile, each a
 full shared-memory wavefront that competes with the wgmma operand reads).
 
+``ks_early`` (float8): each key tile's two ``k_scale`` values per thread are loaded at the top of
+its iteration, before the pipeline wait and the MMA, so that their global-load latency hides
+under the MMA instead of sitting in the epilogue (the first version loaded them just before the
+stores: measured 8.19 ms for the score kernel at S 32k, H200, where the MMAs alone take 5.42).
+
+``sum_parts``: each (key, query) head sum runs as that many independent FMA chains (default 1:
+the serial chain of 16 dependent FMAs per lane and sum, which ptxas schedules one chain after
+another between the ReLUs; 2 and 4 interleave them at the cost of a few FADDs -- on an H200 they
+moved ``indexer_topk`` fp8 by -0.3 / -0.2 ms and bf16 by +0.4 / +1.7 ms in one run, so they stay
+options).
+
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
 """
@@ -66,7 +77,8 @@ def smem_atom_kind(row_bytes: int):
 class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
-    def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True):
+    def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True,
+                 sum_parts: int = idev.SUM_PARTS):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
@@ -75,6 +87,8 @@ class IndexerScoreSm90:
             raise ValueError(f"profile {profile!r}: expected '', 'mma' or 'nostore'")
         self.profile = profile
         self.w_regs = w_regs
+        self.ks_early = ks_early
+        self.sum_parts = sum_parts
         self.fp8 = fp8
         self.dtype = Float8E4M3FN if fp8 else BFloat16
         self.elem = 1 if fp8 else 2
@@ -270,8 +284,16 @@ class IndexerScoreSm90:
         rW = cute.make_rmem_tensor((2 * BN // 8 if self.w_regs else 2,), Float32)
         if const_expr(self.w_regs):
             idev.load_weight_cols(rW, sW, w_off, BN, lane_quad)
+        rKs = cute.make_rmem_tensor((2,), Float32)
         for i in cutlass.range(n_k, unroll=1):
             key0 = (tile_lo + i) * BM
+            if const_expr(self.fp8 and self.ks_early):  # issued before the wait: latency under the MMA
+                for r in cutlass.range_constexpr(2):
+                    key_e = key0 + row0 + 8 * r
+                    ks_e = Float32(1.0)
+                    if key_e < s_kv:
+                        ks_e = mKScale[key_e]
+                    rKs[r] = ks_e
             pipe.consumer_wait(state)
             mma_i = self._mma()
             cute.nvgpu.warpgroup.fence()
@@ -289,9 +311,10 @@ class IndexerScoreSm90:
                 # head sum per (key row, query), then the quad reduce-scatter
                 for qi in cutlass.range_constexpr(self.bq):
                     if const_expr(self.w_regs):
-                        s0, s1 = idev.weighted_relu_rows_reg(acc, rW, qi * self.h, self.h)
+                        s0, s1 = idev.weighted_relu_rows_reg(acc, rW, qi * self.h, self.h, self.sum_parts)
                     else:
-                        s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad)
+                        s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad,
+                                                         self.sum_parts)
                     vals[2 * qi] = s0
                     vals[2 * qi + 1] = s1
                 idev.quad_reduce_scatter(vals, 2 * self.bq, lane)
@@ -299,7 +322,9 @@ class IndexerScoreSm90:
                     key = key0 + row0 + 8 * r
                     if key < s_kv:
                         ks = Float32(1.0)
-                        if const_expr(self.fp8):
+                        if const_expr(self.fp8 and self.ks_early):
+                            ks = rKs[r]
+                        elif const_expr(self.fp8):
                             ks = mKScale[key]
                         for k in cutlass.range_constexpr(qpl):
                             t = qt0 + lane_quad * qpl + k
@@ -314,14 +339,15 @@ class IndexerScoreSm90:
                                     out[0] = v
 
 
-def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True, **kw):
+def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
+                  ks_early: bool = True, sum_parts: int = 1, **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
     n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld = (cute.sym_int() for _ in range(8))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs)
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),
