@@ -83,12 +83,12 @@ BAR_DELTA = 6  # WG1 only: delta rows in smem
 MB_IN, MB_KV_A, MB_KV_B, MB_KV_FREE, MB_META = 0, 1, 2, 3, 4
 MB_KV_C = 5  # pair-summed d576: ready of the last two k-tiles (the exchange's landing area)
 MB_DRAINED = 6  # pair-summed d576: both WGs consumed the block's last exchange (landing free)
-N_SLOTS = 2  # landing slots per warpgroup (a ring: chunk k uses slot k % 2)
-MB_LAND_FULL = 7  # + N_SLOTS * wg + slot: the peer's half-chunk landed (st.async complete_tx)
-MB_SEND_OK = MB_LAND_FULL + 2 * N_SLOTS  # + N_SLOTS * wg + slot: the peer's slot is free (4 warp arrivals)
-N_MBAR = MB_SEND_OK + 2 * N_SLOTS
+MAX_SLOTS = 3  # landing slots per warpgroup at most (a ring of ``n_slots``: chunk k uses slot k % n_slots)
+MB_LAND_FULL = 7  # + MAX_SLOTS * wg + slot: the peer's half-chunk landed (st.async complete_tx)
+MB_SEND_OK = MB_LAND_FULL + 2 * MAX_SLOTS  # + MAX_SLOTS * wg + slot: the peer's slot is free (4 warp arrivals)
+N_MBAR = MB_SEND_OK + 2 * MAX_SLOTS
 SLOT_BYTES = 128 * 16 * 2  # one WG's half chunk: 64 tokens x 32 columns of bf16
-LAND_BYTES = N_SLOTS * SLOT_BYTES  # one WG's landing area
+TILE_BYTES = 64 * 64 * 2  # one 64-column k-tile of the KV buffer
 
 
 class SparseMlaBwdSm90:
@@ -133,13 +133,15 @@ class SparseMlaBwdSm90:
         assert not deterministic or self.ex_wgs == (pair_sum, pair_sum)
         self.ws_row_heads = 2 * B_H if pair_sum else B_H  # deterministic rows per (token, slot)
         self.n_k_tiles = d_qk // 64
-        # d_qk 576 has no free smem for the landing areas (8 KB per exchanging WG): they borrow the
-        # KV buffer's last k-tiles (WG0: the RoPE tile, read by WG0 only; WG1: the one before),
-        # gathered for the next block only after the exchange drained (piece C); d_qk 512 has a
-        # buffer of its own.  (WG1 alone cannot use the RoPE tile: WG0's RoPE dQ reads it.)
+        # d_qk 576 has no free smem for the landing areas (12 KB per WG): they borrow the KV
+        # buffer's last three k-tiles (WG0: the RoPE tile, read by WG0 only, + the second half of
+        # k-tile 6; WG1: k-tile 7 + the first half of k-tile 6), gathered for the next block only
+        # after the exchange drained (piece C); d_qk 512 has a buffer of its own (2 x 8 KB: a third
+        # slot does not fit).  Three slots let WG1 receive chunk c two chunks later (``ex_lag``).
         self.land_in_kv = pair_sum and d_qk > d_v
-        assert not (self.land_in_kv and self.ex_wgs[1] and not self.ex_wgs[0]), "WG1-only exchange"
-        self.n_land = int(self.ex_wgs[0]) + int(self.ex_wgs[1]) if self.land_in_kv else 0
+        assert self.ex_wgs == (pair_sum, pair_sum)
+        self.n_slots = 3 if self.land_in_kv else 2
+        self.n_land = 3 if self.land_in_kv else 0  # k-tiles lent to the landing areas
         self.n_v_tiles = d_v // 64
         self.n_left = 4  # first gather piece: k-tiles 0..3
         self.n_mid = self.n_k_tiles - self.n_land  # second piece: n_left..n_mid; piece C: the rest
@@ -160,11 +162,17 @@ class SparseMlaBwdSm90:
         # The pair sum keeps a chunk half (16 floats) live across the next chunk's products.
         self.regs_consumer = 232 if pair_sum else 224
         self.regs_producer = 40 if pair_sum else 56
-        # Whether a WG overlaps chunk c's exchange + scatter with chunk c+1's products (16 more
-        # live registers).  Measured (H200, interleaved): WG1 only is 17% faster than neither;
-        # WG0 too was another 1-3% faster but spills (WG0 also holds the RoPE dQ accumulator),
-        # so WG0 exchanges chunk by chunk.
-        self.pipelined = (False, True)
+        # How many chunks later a WG receives, adds and scatters chunk c (the products of the
+        # chunks in between run meanwhile; 16 live registers per chunk in flight).  0: chunk by
+        # chunk.  Measured (H200, interleaved): WG1 at lag 1 is 17% faster than neither WG
+        # pipelined; WG1 at lag 2 (d576: three slots) another 3-4%; WG0 at lag 1 too was 1-3%
+        # faster but spills (WG0 also holds the RoPE dQ accumulator), so WG0 stays at 0.
+        # (Lag 2 needs 16 more live registers in WG1: the CUDA 13 ptxas -- the GPU build -- fits
+        # them in 232 without spilling, the CUDA 12 one spills 84 B, so it gets lag 1.)
+        deep = self.n_slots == 3 and cutlass.CUDA_VERSION.major >= 13
+        self.ex_lag = (0, 2 if deep else 1)
+        # every slot is used at least once per block (the flow control frees each once per block)
+        assert max(self.ex_lag) < self.n_slots <= min(len(c) for c in self.dkv_chunks)
         assert 2 * self.regs_consumer + self.regs_producer <= 504
         self.smem_bytes = 0  # set when traced
 
@@ -207,7 +215,7 @@ class SparseMlaBwdSm90:
         tma_atom_dq, tma_dq = tma.tile_store_atom(mDQ_hds, sQ_layout, (B_H, d_qk))
 
         psum_elems = 4 * B_TOPK if const_expr(self.attn_sum) else 4
-        land_elems = 2 * LAND_BYTES // 4 if const_expr(self.pair_sum and not self.land_in_kv) else 4
+        land_elems = 2 * self.n_slots * SLOT_BYTES // 4 if const_expr(self.pair_sum and not self.land_in_kv) else 4
 
         @cute.struct
         class SharedStorage:
@@ -303,8 +311,8 @@ class SparseMlaBwdSm90:
                 cute.arch.mbarrier_init(bar_meta, 128)
                 if const_expr(self.pair_sum):
                     cute.arch.mbarrier_init(mbar + MB_KV_C, 128)
-                    cute.arch.mbarrier_init(mbar + MB_DRAINED, 128 * max(1, self.n_land))
-                    for i in cutlass.range_constexpr(2 * N_SLOTS):
+                    cute.arch.mbarrier_init(mbar + MB_DRAINED, 256)  # both WGs' last receive
+                    for i in cutlass.range_constexpr(2 * MAX_SLOTS):
                         cute.arch.mbarrier_init(mbar + MB_LAND_FULL + i, 1)
                         cute.arch.mbarrier_init(mbar + MB_SEND_OK + i, 4)
         cute.arch.mbarrier_init_fence()
@@ -314,7 +322,7 @@ class SparseMlaBwdSm90:
                 with cute.arch.elect_one():
                     # phase 0's expected bytes (later phases: the receiver, after each read); after
                     # the CTA barrier: the init is visible to every thread (racecheck)
-                    for i in cutlass.range_constexpr(2 * N_SLOTS):
+                    for i in cutlass.range_constexpr(2 * MAX_SLOTS):
                         cute.arch.mbarrier_arrive_and_expect_tx(mbar + MB_LAND_FULL + i, SLOT_BYTES)
             # the peer's barriers are initialised before anyone arrives on them remotely
             cute.arch.cluster_arrive()
@@ -553,8 +561,8 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                ex.dq_done(self.ex_wgs[0])
-                self._dkv_chunks(self.dkv_chunks[0], self.ex_wgs[0] and self.pipelined[0], self.ex_wgs[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
+                ex.dq_done(self.ex_wgs[0], 0)
+                self._dkv_chunks(0, self.ex_lag[0], self.ex_wgs[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
                                  scatter, ex, b)
             if const_expr(self.attn_sum):
                 self._attn_sum_tail(mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg)
@@ -609,8 +617,8 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_a.release()
-                ex.dq_done(self.ex_wgs[1])
-                self._dkv_chunks(self.dkv_chunks[1], self.ex_wgs[1] and self.pipelined[1], self.ex_wgs[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
+                ex.dq_done(self.ex_wgs[1], 1)
+                self._dkv_chunks(1, self.ex_lag[1], self.ex_wgs[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
                                  scatter, ex, b)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
@@ -675,43 +683,48 @@ class SparseMlaBwdSm90:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _dkv_chunks(self, chunks: cutlass.Constexpr, pipelined: cutlass.Constexpr, exchange: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP,
+    def _dkv_chunks(self, wg: cutlass.Constexpr, lag: cutlass.Constexpr, exchange: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP,
                     sQt, sDOt, scatter, ex, b: Int32):
         """dKV[:, chunk] per 64-column chunk, then its scatter.
 
         Without the pair sum each chunk is scattered whole.  With it (h_q % 128 == 0) chunk c's
         half that the peer CTA owns goes to the peer (st.async into its landing area) while this
         CTA's half waits in registers; the peer's half of chunk c is received, added and scattered
-        while chunk c+1's products run on the tensor cores.  Each CTA thus scatters 32 of every
-        64 columns with both head blocks summed.
+        ``lag`` chunks later, while the products of chunks c+1 .. c+lag run on the tensor cores
+        (``lag`` 0: right away).  Each CTA thus scatters 32 of every 64 columns with both head
+        blocks summed.
 
         (A second accumulator that kept chunk c+1's products in flight while chunk c is scattered
         measured 0.994-0.996x of the unpaired loop -- no gain -- and was dropped.)"""
+        chunks = self.dkv_chunks[wg]
         n = len(chunks)
         if const_expr(not exchange):
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
                 cute.nvgpu.warpgroup.wait_group(0)
                 scatter.chunk(acc_kv, chunks[c], b)
-        elif const_expr(not pipelined):
+        elif const_expr(lag == 0):
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
                 cute.nvgpu.warpgroup.wait_group(0)
-                ex.send(acc_kv, b * n + c)
-                kept = ex.receive(ex.kept(acc_kv), b * n + c, c, n)
+                ex.send(acc_kv, b * n + c, wg)
+                kept = ex.receive(ex.kept(acc_kv), b * n + c, c, n, wg)
                 scatter.half(kept, chunks[c], b, ex.rank)
         else:
-            kept = []
+            pending = []  # kept halves of the chunks in flight, oldest first
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
-                if const_expr(c > 0):
-                    kept = ex.receive(kept, b * n + (c - 1), c - 1, n)
-                    scatter.half(kept, chunks[c - 1], b, ex.rank)
+                if const_expr(c >= lag):
+                    summed = ex.receive(pending[0], b * n + (c - lag), c - lag, n, wg)
+                    pending = pending[1:]
+                    scatter.half(summed, chunks[c - lag], b, ex.rank)
                 cute.nvgpu.warpgroup.wait_group(0)
-                ex.send(acc_kv, b * n + c)
-                kept = ex.kept(acc_kv)
-            kept = ex.receive(kept, b * n + (n - 1), n - 1, n)
-            scatter.half(kept, chunks[n - 1], b, ex.rank)
+                ex.send(acc_kv, b * n + c, wg)
+                pending = pending + [ex.kept(acc_kv)]
+            for j in cutlass.range_constexpr(len(pending)):
+                c = n - len(pending) + j
+                summed = ex.receive(pending[j], b * n + c, c, n, wg)
+                scatter.half(summed, chunks[c], b, ex.rank)
 
     @cute.jit
     def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg):
@@ -856,41 +869,43 @@ class _Exchange:
     pair each own one 32-column half of every dKV chunk (rank r: columns ``32 r .. 32 r + 31``).
 
     Per chunk ``k`` (counted over the kernel), a thread rounds the 16 values of the peer's half to
-    bf16 and ``st.async``-es them (2 x 16 bytes) into slot ``k % 2`` of the peer's landing area of
-    its warpgroup (2 slots of 4 KB, thread-major 16-byte words: conflict-free), which completes the
-    bytes on the peer's ``MB_LAND_FULL`` of that slot; it then waits on its own one, adds the
-    peer's 16 values (widened to float32) to the float32 ones it kept, and scatters them.  bf16
-    because two slots are what hides the DSMEM round trip (one float32 slot measured 1.28x slower
-    than no exchange at all) and the d_qk 576 smem plan has 16 KB for the two warpgroups: each
-    (token, slot) sum thus carries one bf16 rounding of the peer's partial (relative 2^-9 of that
-    partial, the deterministic mode's per-row rounding).
+    bf16 and ``st.async``-es them (2 x 16 bytes) into slot ``k % n_slots`` of the peer's landing
+    area of its warpgroup (4 KB slots, thread-major 16-byte words: conflict-free), which completes
+    the bytes on the peer's ``MB_LAND_FULL`` of that slot; ``lag`` chunks later it waits on its own
+    one, adds the peer's 16 values (widened to float32) to the float32 ones it kept, and scatters
+    them.  bf16 because the slots are what hides the DSMEM round trip (one float32 slot measured
+    1.28x slower than no exchange at all) and the d_qk 576 smem plan has 24 KB for them (three
+    k-tiles of the KV buffer): each (token, slot) sum thus carries one bf16 rounding of the peer's
+    partial (relative 2^-9 of that partial, the deterministic mode's per-row rounding).
 
-    Flow control: ``MB_SEND_OK`` of a slot in the sender collects one remote arrival per warp of
-    the peer's warpgroup when the slot is free -- after the peer's dQ products for the block's
-    first use of each slot (d576: the area is the KV buffer's last k-tiles, read until then), and
-    after the peer consumed the slot's previous use within the block.  The receiver re-arms the
-    slot's ``MB_LAND_FULL`` (expect-tx) after each read; the next phase cannot complete before
-    every warp has read (the sender needs all four arrivals first).  The block's last read arrives
-    on ``MB_DRAINED`` (d576) so that the producer may gather the next block's piece C there.
+    Flow control: ``MB_SEND_OK`` of a slot in the sender collects one remote arrival per warp when
+    the peer's slot is free -- once per block after the peer's dQ products (d576: the area is the
+    KV buffer's last k-tiles, read until then; WG0's third slot lies in k-tile 6, which WG1's dQ
+    reads, so WG1's warps free it), and after the peer consumed the slot's previous use within the
+    block.  The receiver re-arms the slot's ``MB_LAND_FULL`` (expect-tx) after each read; the next
+    phase cannot complete before every warp has read (the sender needs all four arrivals first).
+    The block's last read arrives on ``MB_DRAINED`` (d576) so that the producer may gather the
+    next block's piece C there.
     """
 
     def __init__(self, kernel: SparseMlaBwdSm90, storage, mbar, wg, idx_in_wg, h_blk):
         # few live registers: the peer's addresses are mapped (mapa) where they are used
         self.land_in_kv = kernel.land_in_kv
+        self.n_slots = kernel.n_slots
         self.rank = Int32(0)
-        both = kernel.ex_wgs[0] and kernel.ex_wgs[1]
         if kernel.pair_sum:
             self.rank = h_blk % 2
             self.tid = idx_in_wg
             if kernel.land_in_kv:
-                # WG0: the RoPE k-tile (read by WG0 only); WG1: k-tile n-2 (WG1's last dQ tile)
-                tile = kernel.n_k_tiles - 1 - wg if both else kernel.n_k_tiles - 1
-                land = dev.smem_addr_u32(storage.sK.data_ptr()) + tile * (64 * 64 * 2)
+                # slots 0, 1: WG0 the RoPE k-tile (read by WG0 only), WG1 k-tile n-2 (WG1's last dQ
+                # tile); slot 2: a half of k-tile n-3 (WG0 the second, WG1 the first)
+                land = dev.smem_addr_u32(storage.sK.data_ptr()) + (kernel.n_k_tiles - 1 - wg) * TILE_BYTES
             else:
-                land = dev.smem_addr_u32(storage.sLand.data_ptr()) + wg * LAND_BYTES
+                land = dev.smem_addr_u32(storage.sLand.data_ptr()) + wg * (kernel.n_slots * SLOT_BYTES)
             self.land = land + idx_in_wg * 16
-            self.full = mbar + MB_LAND_FULL + N_SLOTS * wg
-            self.send_ok = mbar + MB_SEND_OK + N_SLOTS * wg
+            self.full = mbar + MB_LAND_FULL + MAX_SLOTS * wg
+            self.send_ok = mbar + MB_SEND_OK + MAX_SLOTS * wg
+            self.send_ok_wg0 = mbar + MB_SEND_OK
             self.drained = mbar + MB_DRAINED
 
     def __extract_mlir_values__(self):
@@ -902,20 +917,32 @@ class _Exchange:
     def _peer(self, addr):
         return dev.mapa_shared(addr, 1 - self.rank)
 
-    @cute.jit
-    def _free_peer_slot(self, slot) -> None:
-        """One arrival per warp on the peer's ``MB_SEND_OK`` of ``slot`` (after ``sync_warp``:
-        every lane's reads of the slot are done)."""
-        cute.arch.sync_warp()
-        if self.tid % 32 == 0:
-            dev.mbarrier_arrive_cluster(self._peer(dev.smem_addr_u32(self.send_ok + slot)))
+    def _slot_addr(self, slot, wg: cutlass.Constexpr):
+        """This thread's 16-byte word in landing slot ``slot`` (runtime) of warpgroup ``wg``'s
+        area (d576, slot 2: k-tile n-3's second half for WG0, its first half for WG1)."""
+        off = slot * SLOT_BYTES
+        if const_expr(self.n_slots == 3):
+            off = Int32(cutlass.select_(slot == 2, Int32((-2 + wg) * TILE_BYTES + (1 - wg) * SLOT_BYTES), off))
+        return self.land + off
 
     @cute.jit
-    def dq_done(self, exchange: cutlass.Constexpr) -> None:
-        """This WG's dQ products are done: the peer may write into this WG's landing slots."""
+    def _free_peer_slot(self, send_ok) -> None:
+        """One arrival per warp on the peer's ``MB_SEND_OK`` barrier ``send_ok`` (after
+        ``sync_warp``: every lane's reads of the slot are done)."""
+        cute.arch.sync_warp()
+        if self.tid % 32 == 0:
+            dev.mbarrier_arrive_cluster(self._peer(dev.smem_addr_u32(send_ok)))
+
+    @cute.jit
+    def dq_done(self, exchange: cutlass.Constexpr, wg: cutlass.Constexpr) -> None:
+        """Warpgroup ``wg``'s dQ products are done: the peer may write into the landing slots that
+        lie in k-tiles this CTA has stopped reading for the block."""
         if const_expr(exchange):
-            for slot in cutlass.range_constexpr(N_SLOTS):
-                self._free_peer_slot(slot)
+            for slot in cutlass.range_constexpr(self.n_slots):
+                if const_expr(not (self.n_slots == 3 and wg == 0 and slot == 2)):
+                    self._free_peer_slot(self.send_ok + slot)
+            if const_expr(self.n_slots == 3 and wg == 1):
+                self._free_peer_slot(self.send_ok_wg0 + 2)  # WG0's slot in k-tile n-3
 
     def kept(self, acc_kv):
         """The 16 values of this CTA's own half."""
@@ -923,11 +950,11 @@ class _Exchange:
                 for j in range(16)]
 
     @cute.jit
-    def send(self, acc_kv, k) -> None:
-        """st.async the peer's half of chunk ``k`` (bf16) into the peer's landing slot ``k % 2``."""
-        slot = k % N_SLOTS
-        cute.arch.mbarrier_wait(self.send_ok + slot, (k // N_SLOTS) & 1)
-        peer_land = self._peer(self.land + slot * SLOT_BYTES)
+    def send(self, acc_kv, k, wg: cutlass.Constexpr) -> None:
+        """st.async the peer's half of chunk ``k`` (bf16) into the peer's landing slot ``k % n_slots``."""
+        slot = k % self.n_slots
+        cute.arch.mbarrier_wait(self.send_ok + slot, (k // self.n_slots) & 1)
+        peer_land = self._peer(self._slot_addr(slot, wg))
         peer_full = self._peer(dev.smem_addr_u32(self.full + slot))
         v = [Float32(cutlass.select_(self.rank == 1, acc_kv[HALF_IDX[0][j]], acc_kv[HALF_IDX[1][j]]))
              for j in range(16)]
@@ -936,20 +963,21 @@ class _Exchange:
             dev.st_async_v4_b32(peer_land + q * 2048, w[0], w[1], w[2], w[3], peer_full)
 
     @cute.jit
-    def receive(self, kept, k, c: cutlass.Constexpr, n: cutlass.Constexpr):
+    def receive(self, kept, k, c: cutlass.Constexpr, n: cutlass.Constexpr, wg: cutlass.Constexpr):
         """Wait for the peer's half of chunk ``k`` (chunk ``c`` of ``n`` of the block), add it to
         ``kept``; free the slot."""
-        slot = k % N_SLOTS
-        cute.arch.mbarrier_wait(self.full + slot, (k // N_SLOTS) & 1)
+        slot = k % self.n_slots
+        cute.arch.mbarrier_wait(self.full + slot, (k // self.n_slots) & 1)
         out = []
+        land = self._slot_addr(slot, wg)
         for q in cutlass.range_constexpr(2):
-            r = dev.ld_shared_v4_bf16x2_f32(self.land + slot * SLOT_BYTES + q * 2048)
+            r = dev.ld_shared_v4_bf16x2_f32(land + q * 2048)
             for e in cutlass.range_constexpr(8):
                 out.append(kept[8 * q + e] + r[e])
         if self.tid == 0:
             dev.mbarrier_arrive_expect_tx(dev.smem_addr_u32(self.full + slot), Int32(SLOT_BYTES))  # re-arm
-        if const_expr(c + N_SLOTS < n):
-            self._free_peer_slot(slot)  # the slot's next use is in this block
+        if const_expr(c + self.n_slots < n):
+            self._free_peer_slot(self.send_ok + slot)  # the slot's next use is in this block
         if const_expr(c == n - 1 and self.land_in_kv):
             cute.arch.mbarrier_arrive(self.drained)
         return out
