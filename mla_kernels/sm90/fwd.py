@@ -41,7 +41,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
@@ -60,6 +60,21 @@ BAR_S1_READY = 4  # WG1's P is in smem
 BAR_L_READY = 5  # row sums exchanged in the epilogue
 BAR_EPI_WG0 = 6  # per-warpgroup epilogue syncs
 BAR_EPI_WG1 = 7
+BAR_EPI_TILE = 8  # TILED_EPILOGUE: ids 8..11 (WG0's four O tiles), 12..15 (WG1's); immediate ids,
+#                   one bar.sync address each (tests/test_barrier_rule.py)
+
+# Levers of issue 14, each A/B-measured on its own against the previous kernel (docs/PERF.md):
+#: the producer fetches the next iteration's indices (and the validity vote's) into registers
+#: while it waits, and publishes the validity masks as soon as both consumers are done with the
+#: previous ones (no global re-read on WG0's critical path)
+PREFETCH_INDICES = True
+#: epilogue: O leaves per 64-column tile (stmatrix, then a TMA store per tile while the next tile
+#: is written); lse / max_logits leave by two bulk copies from smem
+TILED_EPILOGUE = True
+#: the last k-tile of Q (the RoPE part at d_qk 576) stays in registers: RS wgmma for it
+Q_TAIL_IN_REGS = True
+#: each consumer publishes its row max before the exponentials, not after them
+EARLY_MAX = True
 
 
 class SparseMlaFwdSm90:
@@ -106,13 +121,15 @@ class SparseMlaFwdSm90:
         sQ_layout = cute.tile_to_shape(k_atom, (B_H, d_qk), (0, 1))
         sK_layout = cute.tile_to_shape(k_atom, (B_TOPK, d_qk), (0, 1))
         sP_layout = cute.tile_to_shape(k_atom, (B_H, B_TOPK), (0, 1))
-        sO_half_layout = cute.tile_to_shape(k_atom, (B_H, d_v // 2), (0, 1))
+        # O leaves through smem per 64-column tile (TILED_EPILOGUE) or per warpgroup half
+        o_cols = 64 if const_expr(TILED_EPILOGUE) else d_v // 2
+        sO_half_layout = cute.tile_to_shape(k_atom, (B_H, o_cols), (0, 1))
 
         # Q as (h_q, d_qk, s_q) and O as (h_q, d_v, s_q): one TMA box grid per (token, head block).
         mQ_hds = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
         mO_hds = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 2, 0]))
         tma_atom_q, tma_q = tma.tile_load_atom(mQ_hds, sQ_layout, (B_H, d_qk))
-        tma_atom_o, tma_o = tma.tile_store_atom(mO_hds, sO_half_layout, (B_H, d_v // 2))
+        tma_atom_o, tma_o = tma.tile_store_atom(mO_hds, sO_half_layout, (B_H, o_cols))
 
         s0_elems = 0 if const_expr(self.s0_in_rope) else B_H * B_TOPK
 
@@ -129,6 +146,8 @@ class SparseMlaFwdSm90:
             sM0: cute.struct.MemRange[Float32, B_H]  # written by WG0 only
             sM1: cute.struct.MemRange[Float32, B_H]  # written by WG1 only
             sL: cute.struct.MemRange[Float32, 2 * B_H]
+            # lse / max_logits rows of the 64 heads, for the epilogue's bulk copies
+            sOut: cute.struct.Align[cute.struct.MemRange[Float32, 2 * B_H], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -239,6 +258,11 @@ class SparseMlaFwdSm90:
         sK0_ptr = storage.sK0.data_ptr()
         sK1_ptr = storage.sK1.data_ptr()
         sQ_ptr = storage.sQ.data_ptr()
+        sOut = storage.sOut.get_tensor(cute.make_layout(2 * B_H))
+        # Q's last k-tile (the RoPE part at d_qk 576) as a [64 x 64] SW128 tile
+        sQt = cute.make_tensor(
+            cute.recast_ptr(sQ_ptr + (self.n_k_tiles - 1) * B_H * 64, sP_layout.inner), sP_layout.outer
+        )
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -250,8 +274,8 @@ class SparseMlaFwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
                 mSink, mMaxLogits, mLse, scale_log2, tma_atom_o, tma_o, sO_half_layout,
-                sQ_ptr, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r, bar_valid,
-                max0_ready, max1_ready, s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
+                sQ_ptr, sValid, sM0, sM1, sL, sOut, sQ, sQt, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r,
+                bar_valid, max0_ready, max1_ready, s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
             )
 
     # ------------------------------------------------------------------------------------------
@@ -278,14 +302,69 @@ class SparseMlaFwdSm90:
         gather = KvGather(mKV, mIdx, s_idx, topk_len, ptid, self.d_qk, slots=2)
         sK0_addr = dev.smem_addr_u32(sK0_ptr)
         sK1_addr = dev.smem_addr_u32(sK1_ptr)
+        if const_expr(PREFETCH_INDICES):
+            self._producer_prefetch(gather, mIdx, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid,
+                                    s_idx, topk_len, num_iters, ptid, warp_in_wg)
+        else:
+            for it in cutlass.range(num_iters, unroll=1):
+                parity = it & 1
+                gather.load_indices(2 * it, 0)
+                gather.load_indices(2 * it + 1, 1)
+                k0l.wait_free(parity)
+                gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
+                k0l.commit_cp_async()
+                k1r.wait_free(parity)
+                gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
+                k1r.commit_cp_async()
+                k0r.wait_free(parity)
+                gather.copy_tiles(sK0_addr, 0, self.n_left, self.n_k_tiles)
+                k0r.commit_cp_async()
+                k1l.wait_free(parity)
+                gather.copy_tiles(sK1_addr, 1, 0, self.n_left)
+                k1l.commit_cp_async()
+                # Validity bitmask: warps 0-1 vote for block 2it, warps 2-3 for 2it+1.  Every consumer
+                # read of the previous masks happened before the frees waited on above.
+                bits = gather.valid_word(2 * it + warp_in_wg // 2)
+                if ptid % 32 == 0:
+                    sValid[warp_in_wg] = bits
+                    cute.arch.mbarrier_arrive(bar_valid)
+
+    @cute.jit
+    def _producer_prefetch(self, gather, mIdx, sK0_addr, sK1_addr, sValid, k0l: cutlass.Constexpr,
+                           k0r: cutlass.Constexpr, k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid,
+                           s_idx: Int32, topk_len: Int32, num_iters: Int32, ptid: Int32, warp_in_wg: Int32):
+        """The producer loop with the indices of iteration ``it + 1`` fetched into registers during
+        iteration ``it`` (their latency hides behind the free-barrier waits), and the validity
+        masks voted from registers and published once both consumers have released the pieces
+        they read the previous masks before (WG0: ``k0l``, WG1: ``k1r``)."""
+        rpt = gather.rows_per_thread
+        raw = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
+        topk = mIdx.shape[1]
+        vrow = ptid % B_TOPK
+        vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
+        if num_iters > 0:
+            gather.fetch_raw(raw, 0, 0)
+            gather.fetch_raw(raw, 1, 1)
+            raw[2 * rpt] = mIdx[s_idx, cutlass.min(vblk * B_TOPK + vrow, topk - 1)]
         for it in cutlass.range(num_iters, unroll=1):
             parity = it & 1
-            gather.load_indices(2 * it, 0)
-            gather.load_indices(2 * it + 1, 1)
+            gather.indices_from_raw(raw, 2 * it, 0)
+            gather.indices_from_raw(raw, 2 * it + 1, 1)
+            vslot = (2 * it + vblk) * B_TOPK + vrow
+            vok = dev.slot_valid(raw[2 * rpt], vslot, gather.s_kv, topk_len)
+            bits = Uint32(cute.arch.vote_ballot_sync(vok))
+            # Next iteration's indices (slots past topk read a clamped slot; never used past the end).
+            gather.fetch_raw(raw, 2 * it + 2, 0)
+            gather.fetch_raw(raw, 2 * it + 3, 1)
+            raw[2 * rpt] = mIdx[s_idx, cutlass.min(vslot + 2 * B_TOPK, topk - 1)]
             k0l.wait_free(parity)
             gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
             k0l.commit_cp_async()
             k1r.wait_free(parity)
+            # Both consumers have read the previous masks (WG0 before releasing k0l, WG1 before k1r).
+            if ptid % 32 == 0:
+                sValid[warp_in_wg] = bits
+                cute.arch.mbarrier_arrive(bar_valid)
             gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
             k1r.commit_cp_async()
             k0r.wait_free(parity)
@@ -294,12 +373,6 @@ class SparseMlaFwdSm90:
             k1l.wait_free(parity)
             gather.copy_tiles(sK1_addr, 1, 0, self.n_left)
             k1l.commit_cp_async()
-            # Validity bitmask: warps 0-1 vote for block 2it, warps 2-3 for 2it+1.  Every consumer
-            # read of the previous masks happened before the frees waited on above.
-            bits = gather.valid_word(2 * it + warp_in_wg // 2)
-            if ptid % 32 == 0:
-                sValid[warp_in_wg] = bits
-                cute.arch.mbarrier_arrive(bar_valid)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -317,7 +390,9 @@ class SparseMlaFwdSm90:
         sM0: cute.Tensor,
         sM1: cute.Tensor,
         sL: cute.Tensor,
+        sOut: cute.Tensor,
         sQ: cute.Tensor,
+        sQt: cute.Tensor,
         sK0: cute.Tensor,
         sK1: cute.Tensor,
         sS0: cute.Tensor,
@@ -350,6 +425,10 @@ class SparseMlaFwdSm90:
         row1 = dev.fragment_row(idx_in_wg, 1)
 
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrQt = None  # Q's last k-tile in registers (RS wgmma A operand)
+        if const_expr(Q_TAIL_IN_REGS):
+            thr_qk_rs = self._mma_qk(rs=True).get_slice(idx_in_wg)
+            tSrQt = thr_qk_rs.make_fragment_A(thr_qk_rs.partition_shape_A((B_H, 64)))
         tSrK0 = thr_qk.make_fragment_B(thr_qk.partition_B(sK0))
         tSrK1 = thr_qk.make_fragment_B(thr_qk.partition_B(sK1))
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_H, B_TOPK)))
@@ -381,24 +460,38 @@ class SparseMlaFwdSm90:
         rL.fill(0.0)
 
         cute.arch.mbarrier_wait(bar_q, 0)
+        if const_expr(Q_TAIL_IN_REGS):
+            # ldmatrix in the accumulator order, which is the RS A-operand order
+            ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
+            thr_ld = cute.make_tiled_copy_C(ld_atom, mma_qk).get_slice(idx_in_wg)
+            cute.copy(thr_ld, thr_ld.partition_S(sQt), thr_ld.retile(cute.make_tensor(tSrQt.iterator, acc_s.layout)))
 
         if wg == 0:
             if num_iters > 0:
                 k0l.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
+                self._qk(acc_s, tSrQ, tSrQt, tSrK0, 0, self.n_left, True)
                 k0r.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
+                self._qk(acc_s, tSrQ, tSrQt, tSrK0, self.n_left, self.n_k_tiles, False)
                 cute.nvgpu.warpgroup.wait_group(0)
             for it in cutlass.range(num_iters, unroll=1):
                 parity = it & 1
                 cute.arch.mbarrier_wait(bar_valid, parity)
                 dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
                 # Online softmax of block 0 against WG0's running max; publish the max.
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
-                if lane_quad == 0:
-                    sM0[row0] = rM[0]
-                    sM0[row1] = rM[1]
-                max0_ready.arrive()
+                if const_expr(EARLY_MAX):
+                    n0 = cute.arch.fmax(rM[0], dev.row_max(acc_s, 0) * scale_log2)
+                    n1 = cute.arch.fmax(rM[1], dev.row_max(acc_s, 1) * scale_log2)
+                    if lane_quad == 0:
+                        sM0[row0] = n0
+                        sM0[row1] = n1
+                    max0_ready.arrive()
+                    self._softmax_to(acc_s, acc_o, rM, rL, scale_log2, n0, n1)
+                else:
+                    dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
+                    if lane_quad == 0:
+                        sM0[row0] = rM[0]
+                        sM0[row1] = rM[1]
+                    max0_ready.arrive()
                 # O_left += P0 V0_left (P0 from registers)
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV0_rs)
@@ -426,11 +519,11 @@ class SparseMlaFwdSm90:
                 if it + 1 < num_iters:
                     nparity = parity ^ 1
                     k0l.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
+                    self._qk(acc_s, tSrQ, tSrQt, tSrK0, 0, self.n_left, True)
                     cute.nvgpu.warpgroup.wait_group(1)
                     k1l.release()
                     k0r.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
+                    self._qk(acc_s, tSrQ, tSrQt, tSrK0, self.n_left, self.n_k_tiles, False)
                     cute.nvgpu.warpgroup.wait_group(0)
                 else:
                     cute.nvgpu.warpgroup.wait_group(0)
@@ -439,19 +532,31 @@ class SparseMlaFwdSm90:
             for it in cutlass.range(num_iters, unroll=1):
                 parity = it & 1
                 k1r.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrK1, self.n_left, self.n_k_tiles, True)
+                self._qk(acc_s, tSrQ, tSrQt, tSrK1, self.n_left, self.n_k_tiles, True)
                 k1l.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrK1, 0, self.n_left, False)
+                self._qk(acc_s, tSrQ, tSrQt, tSrK1, 0, self.n_left, False)
                 cute.nvgpu.warpgroup.wait_group(0)
                 cute.arch.mbarrier_wait(bar_valid, parity)
                 dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
                 # Online softmax of block 1 against max(WG0's max, own); publish the final max.
-                max0_ready.wait(parity)
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
-                if lane_quad == 0:
-                    sM1[row0] = rM[0]
-                    sM1[row1] = rM[1]
-                max1_ready.arrive()
+                if const_expr(EARLY_MAX):
+                    c0 = dev.row_max(acc_s, 0) * scale_log2
+                    c1 = dev.row_max(acc_s, 1) * scale_log2
+                    max0_ready.wait(parity)
+                    n0 = cute.arch.fmax(sM0[row0], c0)
+                    n1 = cute.arch.fmax(sM0[row1], c1)
+                    if lane_quad == 0:
+                        sM1[row0] = n0
+                        sM1[row1] = n1
+                    max1_ready.arrive()
+                    self._softmax_to(acc_s, acc_o, rM, rL, scale_log2, n0, n1)
+                else:
+                    max0_ready.wait(parity)
+                    dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
+                    if lane_quad == 0:
+                        sM1[row0] = rM[0]
+                        sM1[row1] = rM[1]
+                    max1_ready.arrive()
                 # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV1_rs)
@@ -466,14 +571,15 @@ class SparseMlaFwdSm90:
                 k0r.release()
 
         self._epilogue(
-            mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, sO_half_layout, sQ_ptr,
-            sL, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad,
+            mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, mma_qk, sO_half_layout, sQ_ptr,
+            sL, sOut, acc_s, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad,
         )
 
-    def _mma_qk(self):
-        """S = Q K^T: 64 heads x 64 tokens, both operands K-major in smem."""
+    def _mma_qk(self, rs: bool = False):
+        """S = Q K^T: 64 heads x 64 tokens, K-major; Q from smem, or from registers (``rs``)."""
+        src = warpgroup.OperandSource.RMEM if rs else warpgroup.OperandSource.SMEM
         return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK), src
         )
 
     def _mma_pv(self, rs: bool):
@@ -487,17 +593,36 @@ class SparseMlaFwdSm90:
     # The ACCUMULATE field is set on a fresh tiled MMA per call: a field set inside one staged
     # region must not leak into another.
     @cute.jit
-    def _qk(self, acc_s, tSrQ, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr,
+    def _qk(self, acc_s, tSrQ, tSrQt, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr,
             clear: cutlass.Constexpr):
-        """Issue (and commit) S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T."""
+        """Issue (and commit) S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T (Q's last tile from
+        the registers ``tSrQt`` when Q_TAIL_IN_REGS)."""
         mma_qk = self._mma_qk()
+        mma_qk_rs = self._mma_qk(rs=True)
         cute.nvgpu.warpgroup.fence()
         for t in cutlass.range_constexpr(t0, t1):
             for kk in cutlass.range_constexpr(4):
                 k = t * 4 + kk
-                mma_qk.set(warpgroup.Field.ACCUMULATE, not (clear and t == t0 and kk == 0))
-                cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                acc = not (clear and t == t0 and kk == 0)
+                if const_expr(Q_TAIL_IN_REGS and t == self.n_k_tiles - 1):
+                    mma_qk_rs.set(warpgroup.Field.ACCUMULATE, acc)
+                    cute.gemm(mma_qk_rs, acc_s, tSrQt[None, None, kk], tSrK[None, None, k], acc_s)
+                else:
+                    mma_qk.set(warpgroup.Field.ACCUMULATE, acc)
+                    cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
         cute.nvgpu.warpgroup.commit_group()
+
+    @staticmethod
+    def _softmax_to(acc_s, acc_o, rM, rL, scale_log2: Float32, n0: Float32, n1: Float32):
+        """The rest of :func:`~mla_kernels.common.device.online_softmax` once the new running
+        maxima ``n0``/``n1`` are known (EARLY_MAX: they were published before the exponentials)."""
+        sf0 = cute.math.exp2(rM[0] - n0, fastmath=True)
+        rL[0] = rL[0] * sf0 + dev.exp2_scores(acc_s, 0, scale_log2, n0)
+        rM[0] = n0
+        sf1 = cute.math.exp2(rM[1] - n1, fastmath=True)
+        rL[1] = rL[1] * sf1 + dev.exp2_scores(acc_s, 1, scale_log2, n1)
+        rM[1] = n1
+        dev.scale_rows(acc_o, sf0, sf1)
 
     @cute.jit
     def _pv(self, rs: cutlass.Constexpr, acc_o, tA, tB):
@@ -510,8 +635,9 @@ class SparseMlaFwdSm90:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _epilogue(self, mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, sO_half_layout, sQ_ptr,
-                  sL, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad):
+    def _epilogue(self, mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, mma_qk, sO_half_layout, sQ_ptr,
+                  sL, sOut, acc_s, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1,
+                  lane_quad):
         """Combine the two WGs' row sums, normalise O, store O (TMA), lse and max_logits."""
         l0 = dev.quad_sum(rL[0])
         l1 = dev.quad_sum(rL[1])
@@ -533,35 +659,89 @@ class SparseMlaFwdSm90:
         inv1 = Float32(cutlass.select_(l1 > 0.0, 1.0 / (l1 + sink_term1), Float32(0.0)))
         dev.scale_rows(acc_o, inv0, inv1)
 
-        # O -> bf16 -> smem (this WG's column half; aliases Q, whose last reader is done) -> TMA.
-        sO = cute.make_tensor(
-            cute.recast_ptr((sQ_ptr + wg * (B_H * self.d_v // 2)).align(1024), sO_half_layout.inner),
-            sO_half_layout.outer,
-        )
-        rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
-        rO.store(acc_o.load().to(BFloat16))
-        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        thr_st = cute.make_tiled_copy_C(st_atom, mma_pv_rs).get_slice(idx_in_wg)
-        cute.copy(thr_st, thr_st.retile(rO), thr_st.partition_D(sO))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_EPI_WG0 + wg, number_of_threads=128)
-        if warp_in_wg == 0:
-            # Whole warp: the TMA store elects its lane; commit/wait are per thread.
-            tOsO, tOgO = tma.token_tile_partition(tma_atom_o, tma_o, s_idx, (B_H, self.d_v // 2), (h_blk, wg), sO)
-            cute.copy(tma_atom_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(TILED_EPILOGUE):
+            self._store_tiled(mMaxLogits, mLse, tma_atom_o, tma_o, mma_qk, sO_half_layout, sQ_ptr, sOut, acc_s,
+                              acc_o, rM, l0, l1, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad)
+        else:
+            # O -> bf16 -> smem (this WG's column half; aliases Q, whose last reader is done) -> TMA.
+            sO = cute.make_tensor(
+                cute.recast_ptr((sQ_ptr + wg * (B_H * self.d_v // 2)).align(1024), sO_half_layout.inner),
+                sO_half_layout.outer,
+            )
+            rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
+            rO.store(acc_o.load().to(BFloat16))
+            st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+            thr_st = cute.make_tiled_copy_C(st_atom, mma_pv_rs).get_slice(idx_in_wg)
+            cute.copy(thr_st, thr_st.retile(rO), thr_st.partition_D(sO))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_EPI_WG0 + wg, number_of_threads=128)
+            if warp_in_wg == 0:
+                # Whole warp: the TMA store elects its lane; commit/wait are per thread.
+                tOsO, tOgO = tma.token_tile_partition(tma_atom_o, tma_o, s_idx, (B_H, self.d_v // 2), (h_blk, wg), sO)
+                cute.copy(tma_atom_o, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
 
+            if wg == 1:
+                if lane_quad == 0:
+                    empty0 = l0 == 0.0
+                    empty1 = l1 == 0.0
+                    mMaxLogits[s_idx, head0] = Float32(cutlass.select_(empty0, Float32(-math.inf), rM[0] * dev.LN2))
+                    mMaxLogits[s_idx, head1] = Float32(cutlass.select_(empty1, Float32(-math.inf), rM[1] * dev.LN2))
+                    mLse[s_idx, head0] = Float32(
+                        cutlass.select_(empty0, Float32(math.inf), cute.math.log(l0) + rM[0] * dev.LN2)
+                    )
+                    mLse[s_idx, head1] = Float32(
+                        cutlass.select_(empty1, Float32(math.inf), cute.math.log(l1) + rM[1] * dev.LN2)
+                    )
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_tiled(self, mMaxLogits, mLse, tma_atom_o, tma_o, mma_qk, sO_tile_layout, sQ_ptr, sOut, acc_s,
+                     acc_o, rM, l0, l1, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad):
+        """TILED_EPILOGUE: this WG's 4 column tiles of O go through smem (aliasing Q) one at a
+        time -- stmatrix, then a 64x64 TMA store that runs while the next tile is written -- and
+        WG1 stages the lse / max_logits rows in smem for two 256-byte bulk copies."""
         if wg == 1:
             if lane_quad == 0:
                 empty0 = l0 == 0.0
                 empty1 = l1 == 0.0
-                mMaxLogits[s_idx, head0] = Float32(cutlass.select_(empty0, Float32(-math.inf), rM[0] * dev.LN2))
-                mMaxLogits[s_idx, head1] = Float32(cutlass.select_(empty1, Float32(-math.inf), rM[1] * dev.LN2))
-                mLse[s_idx, head0] = Float32(
+                sOut[row0] = Float32(cutlass.select_(empty0, Float32(-math.inf), rM[0] * dev.LN2))
+                sOut[row1] = Float32(cutlass.select_(empty1, Float32(-math.inf), rM[1] * dev.LN2))
+                sOut[B_H + row0] = Float32(
                     cutlass.select_(empty0, Float32(math.inf), cute.math.log(l0) + rM[0] * dev.LN2)
                 )
-                mLse[s_idx, head1] = Float32(
+                sOut[B_H + row1] = Float32(
                     cutlass.select_(empty1, Float32(math.inf), cute.math.log(l1) + rM[1] * dev.LN2)
                 )
-        if warp_in_wg == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(idx_in_wg)
+        n_tiles = self.d_v // 2 // 64
+        per_tile = cute.size(acc_s)  # accumulator elements of one 64x64 tile (32)
+        for t in cutlass.range_constexpr(n_tiles):
+            sOt = cute.make_tensor(
+                cute.recast_ptr((sQ_ptr + (wg * n_tiles + t) * (B_H * 64)).align(1024), sO_tile_layout.inner),
+                sO_tile_layout.outer,
+            )
+            acc_t = cute.make_tensor(acc_o.iterator + t * per_tile, acc_s.layout)
+            rOt = cute.make_rmem_tensor_like(acc_s, BFloat16)
+            rOt.store(acc_t.load().to(BFloat16))
+            cute.copy(thr_st, thr_st.retile(rOt), thr_st.partition_D(sOt))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            if wg == 0:
+                cute.arch.barrier(barrier_id=BAR_EPI_TILE + t, number_of_threads=128)
+            else:
+                cute.arch.barrier(barrier_id=BAR_EPI_TILE + n_tiles + t, number_of_threads=128)
+            if warp_in_wg == 0:
+                # Whole warp: the TMA store elects its lane; commit/wait are per thread.
+                tOsO, tOgO = tma.token_tile_partition(tma_atom_o, tma_o, s_idx, (B_H, 64), (h_blk, wg * n_tiles + t),
+                                                      sOt)
+                cute.copy(tma_atom_o, tOsO, tOgO)
+                if const_expr(t == 0):
+                    if wg == 1:
+                        if idx_in_wg == 0:
+                            row = (Int64(s_idx) * Int64(mLse.shape[1]) + Int64(h_blk * B_H)) * 4
+                            src = dev.smem_addr_u32(sOut.iterator)
+                            dev.bulk_copy_s2g(dev.gmem_addr_i64(mMaxLogits.iterator) + row, src, Int32(B_H * 4))
+                            dev.bulk_copy_s2g(dev.gmem_addr_i64(mLse.iterator) + row, src + B_H * 4, Int32(B_H * 4))
+                cute.arch.cp_async_bulk_commit_group()
