@@ -71,10 +71,6 @@ PREFETCH_INDICES = True
 #: epilogue: O leaves per 64-column tile (stmatrix, then a TMA store per tile while the next tile
 #: is written); lse / max_logits leave by two bulk copies from smem
 TILED_EPILOGUE = True
-#: the last k-tile of Q (the RoPE part at d_qk 576) stays in registers: RS wgmma for it
-Q_TAIL_IN_REGS = True
-#: each consumer publishes its row max before the exponentials, not after them
-EARLY_MAX = True
 
 
 class SparseMlaFwdSm90:
@@ -259,10 +255,6 @@ class SparseMlaFwdSm90:
         sK1_ptr = storage.sK1.data_ptr()
         sQ_ptr = storage.sQ.data_ptr()
         sOut = storage.sOut.get_tensor(cute.make_layout(2 * B_H))
-        # Q's last k-tile (the RoPE part at d_qk 576) as a [64 x 64] SW128 tile
-        sQt = cute.make_tensor(
-            cute.recast_ptr(sQ_ptr + (self.n_k_tiles - 1) * B_H * 64, sP_layout.inner), sP_layout.outer
-        )
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -274,7 +266,7 @@ class SparseMlaFwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
                 mSink, mMaxLogits, mLse, scale_log2, tma_atom_o, tma_o, sO_half_layout,
-                sQ_ptr, sValid, sM0, sM1, sL, sOut, sQ, sQt, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r,
+                sQ_ptr, sValid, sM0, sM1, sL, sOut, sQ, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r,
                 bar_valid, max0_ready, max1_ready, s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
             )
 
@@ -392,7 +384,6 @@ class SparseMlaFwdSm90:
         sL: cute.Tensor,
         sOut: cute.Tensor,
         sQ: cute.Tensor,
-        sQt: cute.Tensor,
         sK0: cute.Tensor,
         sK1: cute.Tensor,
         sS0: cute.Tensor,
@@ -425,10 +416,6 @@ class SparseMlaFwdSm90:
         row1 = dev.fragment_row(idx_in_wg, 1)
 
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrQt = None  # Q's last k-tile in registers (RS wgmma A operand)
-        if const_expr(Q_TAIL_IN_REGS):
-            thr_qk_rs = self._mma_qk(rs=True).get_slice(idx_in_wg)
-            tSrQt = thr_qk_rs.make_fragment_A(thr_qk_rs.partition_shape_A((B_H, 64)))
         tSrK0 = thr_qk.make_fragment_B(thr_qk.partition_B(sK0))
         tSrK1 = thr_qk.make_fragment_B(thr_qk.partition_B(sK1))
         acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_H, B_TOPK)))
@@ -460,38 +447,24 @@ class SparseMlaFwdSm90:
         rL.fill(0.0)
 
         cute.arch.mbarrier_wait(bar_q, 0)
-        if const_expr(Q_TAIL_IN_REGS):
-            # ldmatrix in the accumulator order, which is the RS A-operand order
-            ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
-            thr_ld = cute.make_tiled_copy_C(ld_atom, mma_qk).get_slice(idx_in_wg)
-            cute.copy(thr_ld, thr_ld.partition_S(sQt), thr_ld.retile(cute.make_tensor(tSrQt.iterator, acc_s.layout)))
 
         if wg == 0:
             if num_iters > 0:
                 k0l.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrQt, tSrK0, 0, self.n_left, True)
+                self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
                 k0r.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrQt, tSrK0, self.n_left, self.n_k_tiles, False)
+                self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
                 cute.nvgpu.warpgroup.wait_group(0)
             for it in cutlass.range(num_iters, unroll=1):
                 parity = it & 1
                 cute.arch.mbarrier_wait(bar_valid, parity)
                 dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
                 # Online softmax of block 0 against WG0's running max; publish the max.
-                if const_expr(EARLY_MAX):
-                    n0 = cute.arch.fmax(rM[0], dev.row_max(acc_s, 0) * scale_log2)
-                    n1 = cute.arch.fmax(rM[1], dev.row_max(acc_s, 1) * scale_log2)
-                    if lane_quad == 0:
-                        sM0[row0] = n0
-                        sM0[row1] = n1
-                    max0_ready.arrive()
-                    self._softmax_to(acc_s, acc_o, rM, rL, scale_log2, n0, n1)
-                else:
-                    dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
-                    if lane_quad == 0:
-                        sM0[row0] = rM[0]
-                        sM0[row1] = rM[1]
-                    max0_ready.arrive()
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
+                if lane_quad == 0:
+                    sM0[row0] = rM[0]
+                    sM0[row1] = rM[1]
+                max0_ready.arrive()
                 # O_left += P0 V0_left (P0 from registers)
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV0_rs)
@@ -519,11 +492,11 @@ class SparseMlaFwdSm90:
                 if it + 1 < num_iters:
                     nparity = parity ^ 1
                     k0l.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrQt, tSrK0, 0, self.n_left, True)
+                    self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
                     cute.nvgpu.warpgroup.wait_group(1)
                     k1l.release()
                     k0r.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrQt, tSrK0, self.n_left, self.n_k_tiles, False)
+                    self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
                     cute.nvgpu.warpgroup.wait_group(0)
                 else:
                     cute.nvgpu.warpgroup.wait_group(0)
@@ -532,31 +505,19 @@ class SparseMlaFwdSm90:
             for it in cutlass.range(num_iters, unroll=1):
                 parity = it & 1
                 k1r.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrQt, tSrK1, self.n_left, self.n_k_tiles, True)
+                self._qk(acc_s, tSrQ, tSrK1, self.n_left, self.n_k_tiles, True)
                 k1l.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrQt, tSrK1, 0, self.n_left, False)
+                self._qk(acc_s, tSrQ, tSrK1, 0, self.n_left, False)
                 cute.nvgpu.warpgroup.wait_group(0)
                 cute.arch.mbarrier_wait(bar_valid, parity)
                 dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
                 # Online softmax of block 1 against max(WG0's max, own); publish the final max.
-                if const_expr(EARLY_MAX):
-                    c0 = dev.row_max(acc_s, 0) * scale_log2
-                    c1 = dev.row_max(acc_s, 1) * scale_log2
-                    max0_ready.wait(parity)
-                    n0 = cute.arch.fmax(sM0[row0], c0)
-                    n1 = cute.arch.fmax(sM0[row1], c1)
-                    if lane_quad == 0:
-                        sM1[row0] = n0
-                        sM1[row1] = n1
-                    max1_ready.arrive()
-                    self._softmax_to(acc_s, acc_o, rM, rL, scale_log2, n0, n1)
-                else:
-                    max0_ready.wait(parity)
-                    dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
-                    if lane_quad == 0:
-                        sM1[row0] = rM[0]
-                        sM1[row1] = rM[1]
-                    max1_ready.arrive()
+                max0_ready.wait(parity)
+                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
+                if lane_quad == 0:
+                    sM1[row0] = rM[0]
+                    sM1[row1] = rM[1]
+                max1_ready.arrive()
                 # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
                 tOrP_acc.store(acc_s.load().to(BFloat16))
                 self._pv(True, acc_o, tOrP, tOrV1_rs)
@@ -575,11 +536,10 @@ class SparseMlaFwdSm90:
             sL, sOut, acc_s, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad,
         )
 
-    def _mma_qk(self, rs: bool = False):
-        """S = Q K^T: 64 heads x 64 tokens, K-major; Q from smem, or from registers (``rs``)."""
-        src = warpgroup.OperandSource.RMEM if rs else warpgroup.OperandSource.SMEM
+    def _mma_qk(self):
+        """S = Q K^T: 64 heads x 64 tokens, both operands K-major in smem."""
         return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK), src
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
         )
 
     def _mma_pv(self, rs: bool):
@@ -593,36 +553,17 @@ class SparseMlaFwdSm90:
     # The ACCUMULATE field is set on a fresh tiled MMA per call: a field set inside one staged
     # region must not leak into another.
     @cute.jit
-    def _qk(self, acc_s, tSrQ, tSrQt, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr,
+    def _qk(self, acc_s, tSrQ, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr,
             clear: cutlass.Constexpr):
-        """Issue (and commit) S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T (Q's last tile from
-        the registers ``tSrQt`` when Q_TAIL_IN_REGS)."""
+        """Issue (and commit) S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T."""
         mma_qk = self._mma_qk()
-        mma_qk_rs = self._mma_qk(rs=True)
         cute.nvgpu.warpgroup.fence()
         for t in cutlass.range_constexpr(t0, t1):
             for kk in cutlass.range_constexpr(4):
                 k = t * 4 + kk
-                acc = not (clear and t == t0 and kk == 0)
-                if const_expr(Q_TAIL_IN_REGS and t == self.n_k_tiles - 1):
-                    mma_qk_rs.set(warpgroup.Field.ACCUMULATE, acc)
-                    cute.gemm(mma_qk_rs, acc_s, tSrQt[None, None, kk], tSrK[None, None, k], acc_s)
-                else:
-                    mma_qk.set(warpgroup.Field.ACCUMULATE, acc)
-                    cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                mma_qk.set(warpgroup.Field.ACCUMULATE, not (clear and t == t0 and kk == 0))
+                cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
         cute.nvgpu.warpgroup.commit_group()
-
-    @staticmethod
-    def _softmax_to(acc_s, acc_o, rM, rL, scale_log2: Float32, n0: Float32, n1: Float32):
-        """The rest of :func:`~mla_kernels.common.device.online_softmax` once the new running
-        maxima ``n0``/``n1`` are known (EARLY_MAX: they were published before the exponentials)."""
-        sf0 = cute.math.exp2(rM[0] - n0, fastmath=True)
-        rL[0] = rL[0] * sf0 + dev.exp2_scores(acc_s, 0, scale_log2, n0)
-        rM[0] = n0
-        sf1 = cute.math.exp2(rM[1] - n1, fastmath=True)
-        rL[1] = rL[1] * sf1 + dev.exp2_scores(acc_s, 1, scale_log2, n1)
-        rM[1] = n1
-        dev.scale_rows(acc_o, sf0, sf1)
 
     @cute.jit
     def _pv(self, rs: cutlass.Constexpr, acc_o, tA, tB):
