@@ -135,10 +135,7 @@ DOCUMENTED = {}  # every kernel keeps one bar.sync address per id
 
 def dynamic_ids(family: str):
     """The values of the register-held barrier ids a kernel family's source can produce."""
-    if family == "sm90_fwd":
-        from mla_kernels.sm90.fwd import BAR_EPI_WG0, BAR_EPI_WG1
-
-        return (BAR_EPI_WG0, BAR_EPI_WG1)  # BAR_EPI_WG0 + wg
+    # sm90_fwd: none since issue 14 (its epilogue's per-tile ids are immediates, one per WG branch)
     if family == "sm90_attn_dist":
         from mla_kernels.sm90.attn_dist import BAR_PSUM_WG0, BAR_PSUM_WG1
 

@@ -49,6 +49,9 @@ def test_sm90_forward_compiles_with_hgmma_and_no_spills(sm90_report):
     assert any(k.startswith("HGMMA.64x256x16.F32.BF16") for k in r["sass"])
     assert base.get("LDGSTS", 0) > 0 and base.get("UTMALDG", 0) > 0 and base.get("UTMASTG", 0) > 0
     assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
+    # epilogue (issue 14): O per 64-column tile (4 TMA stores per WG, one code path), lse and
+    # max_logits by two bulk copies instead of scalar stores
+    assert r["sass"].get("UTMASTG.3D", 0) == 4 and r["sass"].get("UBLKCP.G.S", 0) == 2
 
 
 def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report):
@@ -57,6 +60,9 @@ def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report):
     if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
     assert r["sass_base"].get("HGMMA", 0) == 36 and r["sass_base"].get("LDGSTS", 0) > 0
+    # heads mode (issue 14): the warpgroups hand partials over through mbarriers, no named
+    # barrier per block -- the only bar.sync left is the launch's __syncthreads
+    assert [b["id"] for b in r["barriers"] if b["op"] == "SYNC"] == [0]
 
 
 @pytest.mark.parametrize("name", ["sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64"])

@@ -656,3 +656,26 @@ def mbarrier_arrive_cluster(remote_mbar: Int32, *, loc=None, ip=None) -> None:
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Bulk copies shared -> global (sm90 forward's lse / max_logits rows)
+# ---------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def bulk_copy_s2g(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk.global.shared::cta.bulk_group``: copy ``nbytes`` (a multiple of 16) from
+    shared memory to global memory, both addresses 16-byte aligned.  Asynchronous: order the smem
+    writes before it with ``fence.proxy.async.shared::cta`` (+ a barrier), commit the bulk group
+    and wait (``.read``) before the source is overwritten or the CTA exits."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip),
+         Int32(nbytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

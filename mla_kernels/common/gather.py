@@ -79,6 +79,25 @@ class KvGather:
             safe = Int64(cutlass.select_(v, idx, Int32(0)))
             self.src[slot_b, j] = self.kv_addr + safe * self.row_bytes
 
+    def fetch_raw(self, raw: cute.Tensor, block, slot_b: int) -> None:
+        """Issue the global loads of this thread's ``rows/16`` raw indices of ``block`` into
+        ``raw[slot_b * rows/16 + j]`` (an Int32 register tensor) without using them: a prefetch
+        whose latency hides behind whatever the thread waits on next.  Slots past ``topk`` read a
+        clamped slot (:meth:`indices_from_raw` invalidates them)."""
+        for j in range(self.rows_per_thread):
+            slot = block * self.rows + self.group + GROUPS * j
+            raw[slot_b * self.rows_per_thread + j] = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
+
+    def indices_from_raw(self, raw: cute.Tensor, block, slot_b: int) -> None:
+        """:meth:`load_indices` from indices already fetched by :meth:`fetch_raw`."""
+        for j in range(self.rows_per_thread):
+            slot = block * self.rows + self.group + GROUPS * j
+            idx = raw[slot_b * self.rows_per_thread + j]
+            v = dev.slot_valid(idx, slot, self.s_kv, self.topk_len)
+            self.ok[slot_b, j] = v
+            safe = Int64(cutlass.select_(v, idx, Int32(0)))
+            self.src[slot_b, j] = self.kv_addr + safe * self.row_bytes
+
     def copy_tiles(self, buf_addr: Int32, slot_b: int, t0: int, t1: int) -> None:
         """cp.async tiles ``[t0, t1)`` of the block in register slot ``slot_b`` into the smem
         buffer at ``buf_addr`` (its 32-bit shared address)."""

@@ -44,8 +44,8 @@ def fwd_fake_args(d_qk: int, h_q: int):
         host.fake(Int32, (n_tl,), align=4),
         host.fake(Float32, (n_sink,), align=4),
         host.fake(BFloat16, (s_q3, h_q, D_V)),
-        host.fake(Float32, (s_q4, h_q), align=4),
-        host.fake(Float32, (s_q5, h_q), align=4),
+        host.fake(Float32, (s_q4, h_q), align=16),  # max_logits (rows leave by 16-byte bulk copies)
+        host.fake(Float32, (s_q5, h_q), align=16),  # lse
         Float32(1.0),
         host.fake_stream(),
     )

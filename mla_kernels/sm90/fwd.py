@@ -15,10 +15,14 @@ One CTA per (query token, 64-head block); 384 threads in three warpgroups:
   ``cp.async`` (zero-fill for invalid slots, L2 evict-last) into the two swizzled buffers, in
   halves (tiles 0..3 = V's left half, tiles 4.. = right half + RoPE) guarded by ready/free
   mbarriers so a half is refilled as soon as its last reader is done; it also publishes each
-  block's validity bitmask (ballot) to smem.
+  block's validity bitmask (ballot) to smem.  The indices of iteration ``it + 1`` (and the slot
+  each thread votes for) are fetched into registers during iteration ``it``, so their latency
+  hides behind the free-barrier waits, and the masks are published as soon as both consumers are
+  done with the previous ones.
 
-Q arrives once by TMA; O leaves by stmatrix into smem (aliasing Q) and TMA stores; lse and
-max_logits are stored directly.  Softmax runs in base 2 with ``sm_scale * log2(e)`` folded into
+Q arrives once by TMA; O leaves per 64-column tile: stmatrix into smem (aliasing Q), then a TMA
+store of that tile that runs while the next tile is written; lse and max_logits are staged in
+smem and leave by two 256-byte bulk copies.  Softmax runs in base 2 with ``sm_scale * log2(e)`` folded into
 one FFMA; ``lse``/``max_logits`` are converted back to natural-log units at the end.
 
 For d_qk = 576 WG0's P for WG1 lives in buffer 0's RoPE tile (free once S0 is computed), which is
@@ -41,7 +45,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
@@ -58,8 +62,8 @@ SMEM_LIMIT = 232448
 BAR_S0_READY = 3  # WG0's P is in smem
 BAR_S1_READY = 4  # WG1's P is in smem
 BAR_L_READY = 5  # row sums exchanged in the epilogue
-BAR_EPI_WG0 = 6  # per-warpgroup epilogue syncs
-BAR_EPI_WG1 = 7
+BAR_EPI_TILE = 8  # epilogue: ids 8..11 (WG0's four O tiles), 12..15 (WG1's); immediate ids,
+#                   one bar.sync address each (tests/test_barrier_rule.py)
 
 
 class SparseMlaFwdSm90:
@@ -106,13 +110,14 @@ class SparseMlaFwdSm90:
         sQ_layout = cute.tile_to_shape(k_atom, (B_H, d_qk), (0, 1))
         sK_layout = cute.tile_to_shape(k_atom, (B_TOPK, d_qk), (0, 1))
         sP_layout = cute.tile_to_shape(k_atom, (B_H, B_TOPK), (0, 1))
-        sO_half_layout = cute.tile_to_shape(k_atom, (B_H, d_v // 2), (0, 1))
+        # O leaves through smem one [64 x 64] tile at a time
+        sO_tile_layout = cute.tile_to_shape(k_atom, (B_H, 64), (0, 1))
 
         # Q as (h_q, d_qk, s_q) and O as (h_q, d_v, s_q): one TMA box grid per (token, head block).
         mQ_hds = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
         mO_hds = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 2, 0]))
         tma_atom_q, tma_q = tma.tile_load_atom(mQ_hds, sQ_layout, (B_H, d_qk))
-        tma_atom_o, tma_o = tma.tile_store_atom(mO_hds, sO_half_layout, (B_H, d_v // 2))
+        tma_atom_o, tma_o = tma.tile_store_atom(mO_hds, sO_tile_layout, (B_H, 64))
 
         s0_elems = 0 if const_expr(self.s0_in_rope) else B_H * B_TOPK
 
@@ -129,6 +134,8 @@ class SparseMlaFwdSm90:
             sM0: cute.struct.MemRange[Float32, B_H]  # written by WG0 only
             sM1: cute.struct.MemRange[Float32, B_H]  # written by WG1 only
             sL: cute.struct.MemRange[Float32, 2 * B_H]
+            # lse / max_logits rows of the 64 heads, for the epilogue's bulk copies
+            sOut: cute.struct.Align[cute.struct.MemRange[Float32, 2 * B_H], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -138,7 +145,7 @@ class SparseMlaFwdSm90:
         self.kernel(
             mKV, mIdx, mTopkLen, mSink, mMaxLogits, mLse, scale_log2,
             tma_atom_q, tma_q, tma_atom_o, tma_o,
-            sQ_layout, sK_layout, sP_layout, sO_half_layout,
+            sQ_layout, sK_layout, sP_layout, sO_tile_layout,
             SharedStorage, n_hblk,
         ).launch(
             grid=[s_q * n_hblk, 1, 1],  # s_q on grid.x: no 65535 cap
@@ -168,7 +175,7 @@ class SparseMlaFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
-        sO_half_layout: cute.ComposedLayout,
+        sO_tile_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
         n_hblk: Int32,
     ):
@@ -239,6 +246,7 @@ class SparseMlaFwdSm90:
         sK0_ptr = storage.sK0.data_ptr()
         sK1_ptr = storage.sK1.data_ptr()
         sQ_ptr = storage.sQ.data_ptr()
+        sOut = storage.sOut.get_tensor(cute.make_layout(2 * B_H))
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -249,9 +257,9 @@ class SparseMlaFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
-                mSink, mMaxLogits, mLse, scale_log2, tma_atom_o, tma_o, sO_half_layout,
-                sQ_ptr, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r, bar_valid,
-                max0_ready, max1_ready, s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
+                mSink, mMaxLogits, mLse, scale_log2, tma_atom_o, tma_o, sO_tile_layout,
+                sQ_ptr, sValid, sM0, sM1, sL, sOut, sQ, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r,
+                bar_valid, max0_ready, max1_ready, s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
             )
 
     # ------------------------------------------------------------------------------------------
@@ -278,14 +286,45 @@ class SparseMlaFwdSm90:
         gather = KvGather(mKV, mIdx, s_idx, topk_len, ptid, self.d_qk, slots=2)
         sK0_addr = dev.smem_addr_u32(sK0_ptr)
         sK1_addr = dev.smem_addr_u32(sK1_ptr)
+        self._producer_loop(gather, mIdx, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid,
+                            s_idx, topk_len, num_iters, ptid, warp_in_wg)
+
+    @cute.jit
+    def _producer_loop(self, gather, mIdx, sK0_addr, sK1_addr, sValid, k0l: cutlass.Constexpr,
+                       k0r: cutlass.Constexpr, k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid,
+                       s_idx: Int32, topk_len: Int32, num_iters: Int32, ptid: Int32, warp_in_wg: Int32):
+        """The producer loop with the indices of iteration ``it + 1`` fetched into registers during
+        iteration ``it`` (their latency hides behind the free-barrier waits), and the validity
+        masks voted from registers and published once both consumers have released the pieces
+        they read the previous masks before (WG0: ``k0l``, WG1: ``k1r``)."""
+        rpt = gather.rows_per_thread
+        raw = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
+        topk = mIdx.shape[1]
+        vrow = ptid % B_TOPK
+        vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
+        if num_iters > 0:
+            gather.fetch_raw(raw, 0, 0)
+            gather.fetch_raw(raw, 1, 1)
+            raw[2 * rpt] = mIdx[s_idx, cutlass.min(vblk * B_TOPK + vrow, topk - 1)]
         for it in cutlass.range(num_iters, unroll=1):
             parity = it & 1
-            gather.load_indices(2 * it, 0)
-            gather.load_indices(2 * it + 1, 1)
+            gather.indices_from_raw(raw, 2 * it, 0)
+            gather.indices_from_raw(raw, 2 * it + 1, 1)
+            vslot = (2 * it + vblk) * B_TOPK + vrow
+            vok = dev.slot_valid(raw[2 * rpt], vslot, gather.s_kv, topk_len)
+            bits = Uint32(cute.arch.vote_ballot_sync(vok))
+            # Next iteration's indices (slots past topk read a clamped slot; never used past the end).
+            gather.fetch_raw(raw, 2 * it + 2, 0)
+            gather.fetch_raw(raw, 2 * it + 3, 1)
+            raw[2 * rpt] = mIdx[s_idx, cutlass.min(vslot + 2 * B_TOPK, topk - 1)]
             k0l.wait_free(parity)
             gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
             k0l.commit_cp_async()
             k1r.wait_free(parity)
+            # Both consumers have read the previous masks (WG0 before releasing k0l, WG1 before k1r).
+            if ptid % 32 == 0:
+                sValid[warp_in_wg] = bits
+                cute.arch.mbarrier_arrive(bar_valid)
             gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
             k1r.commit_cp_async()
             k0r.wait_free(parity)
@@ -294,12 +333,6 @@ class SparseMlaFwdSm90:
             k1l.wait_free(parity)
             gather.copy_tiles(sK1_addr, 1, 0, self.n_left)
             k1l.commit_cp_async()
-            # Validity bitmask: warps 0-1 vote for block 2it, warps 2-3 for 2it+1.  Every consumer
-            # read of the previous masks happened before the frees waited on above.
-            bits = gather.valid_word(2 * it + warp_in_wg // 2)
-            if ptid % 32 == 0:
-                sValid[warp_in_wg] = bits
-                cute.arch.mbarrier_arrive(bar_valid)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -311,12 +344,13 @@ class SparseMlaFwdSm90:
         scale_log2: Float32,
         tma_atom_o: cute.CopyAtom,
         tma_o: cute.Tensor,
-        sO_half_layout: cute.ComposedLayout,
+        sO_tile_layout: cute.ComposedLayout,
         sQ_ptr: cute.Pointer,
         sValid: cute.Tensor,
         sM0: cute.Tensor,
         sM1: cute.Tensor,
         sL: cute.Tensor,
+        sOut: cute.Tensor,
         sQ: cute.Tensor,
         sK0: cute.Tensor,
         sK1: cute.Tensor,
@@ -466,8 +500,8 @@ class SparseMlaFwdSm90:
                 k0r.release()
 
         self._epilogue(
-            mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, sO_half_layout, sQ_ptr,
-            sL, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad,
+            mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, mma_qk, sO_tile_layout, sQ_ptr,
+            sL, sOut, acc_s, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad,
         )
 
     def _mma_qk(self):
@@ -510,8 +544,9 @@ class SparseMlaFwdSm90:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _epilogue(self, mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, sO_half_layout, sQ_ptr,
-                  sL, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad):
+    def _epilogue(self, mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, mma_qk, sO_tile_layout, sQ_ptr,
+                  sL, sOut, acc_s, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1,
+                  lane_quad):
         """Combine the two WGs' row sums, normalise O, store O (TMA), lse and max_logits."""
         l0 = dev.quad_sum(rL[0])
         l1 = dev.quad_sum(rL[1])
@@ -533,35 +568,57 @@ class SparseMlaFwdSm90:
         inv1 = Float32(cutlass.select_(l1 > 0.0, 1.0 / (l1 + sink_term1), Float32(0.0)))
         dev.scale_rows(acc_o, inv0, inv1)
 
-        # O -> bf16 -> smem (this WG's column half; aliases Q, whose last reader is done) -> TMA.
-        sO = cute.make_tensor(
-            cute.recast_ptr((sQ_ptr + wg * (B_H * self.d_v // 2)).align(1024), sO_half_layout.inner),
-            sO_half_layout.outer,
-        )
-        rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
-        rO.store(acc_o.load().to(BFloat16))
-        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        thr_st = cute.make_tiled_copy_C(st_atom, mma_pv_rs).get_slice(idx_in_wg)
-        cute.copy(thr_st, thr_st.retile(rO), thr_st.partition_D(sO))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_EPI_WG0 + wg, number_of_threads=128)
+        self._store_tiled(mMaxLogits, mLse, tma_atom_o, tma_o, mma_qk, sO_tile_layout, sQ_ptr, sOut, acc_s,
+                          acc_o, rM, l0, l1, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad)
         if warp_in_wg == 0:
-            # Whole warp: the TMA store elects its lane; commit/wait are per thread.
-            tOsO, tOgO = tma.token_tile_partition(tma_atom_o, tma_o, s_idx, (B_H, self.d_v // 2), (h_blk, wg), sO)
-            cute.copy(tma_atom_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    @cute.jit
+    def _store_tiled(self, mMaxLogits, mLse, tma_atom_o, tma_o, mma_qk, sO_tile_layout, sQ_ptr, sOut, acc_s,
+                     acc_o, rM, l0, l1, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad):
+        """This WG's 4 column tiles of O go through smem (aliasing Q) one at a
+        time -- stmatrix, then a 64x64 TMA store that runs while the next tile is written -- and
+        WG1 stages the lse / max_logits rows in smem for two 256-byte bulk copies."""
         if wg == 1:
             if lane_quad == 0:
                 empty0 = l0 == 0.0
                 empty1 = l1 == 0.0
-                mMaxLogits[s_idx, head0] = Float32(cutlass.select_(empty0, Float32(-math.inf), rM[0] * dev.LN2))
-                mMaxLogits[s_idx, head1] = Float32(cutlass.select_(empty1, Float32(-math.inf), rM[1] * dev.LN2))
-                mLse[s_idx, head0] = Float32(
+                sOut[row0] = Float32(cutlass.select_(empty0, Float32(-math.inf), rM[0] * dev.LN2))
+                sOut[row1] = Float32(cutlass.select_(empty1, Float32(-math.inf), rM[1] * dev.LN2))
+                sOut[B_H + row0] = Float32(
                     cutlass.select_(empty0, Float32(math.inf), cute.math.log(l0) + rM[0] * dev.LN2)
                 )
-                mLse[s_idx, head1] = Float32(
+                sOut[B_H + row1] = Float32(
                     cutlass.select_(empty1, Float32(math.inf), cute.math.log(l1) + rM[1] * dev.LN2)
                 )
-        if warp_in_wg == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(idx_in_wg)
+        n_tiles = self.d_v // 2 // 64
+        per_tile = cute.size(acc_s)  # accumulator elements of one 64x64 tile (32)
+        for t in cutlass.range_constexpr(n_tiles):
+            sOt = cute.make_tensor(
+                cute.recast_ptr((sQ_ptr + (wg * n_tiles + t) * (B_H * 64)).align(1024), sO_tile_layout.inner),
+                sO_tile_layout.outer,
+            )
+            acc_t = cute.make_tensor(acc_o.iterator + t * per_tile, acc_s.layout)
+            rOt = cute.make_rmem_tensor_like(acc_s, BFloat16)
+            rOt.store(acc_t.load().to(BFloat16))
+            cute.copy(thr_st, thr_st.retile(rOt), thr_st.partition_D(sOt))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            if wg == 0:
+                cute.arch.barrier(barrier_id=BAR_EPI_TILE + t, number_of_threads=128)
+            else:
+                cute.arch.barrier(barrier_id=BAR_EPI_TILE + n_tiles + t, number_of_threads=128)
+            if warp_in_wg == 0:
+                # Whole warp: the TMA store elects its lane; commit/wait are per thread.
+                tOsO, tOgO = tma.token_tile_partition(tma_atom_o, tma_o, s_idx, (B_H, 64), (h_blk, wg * n_tiles + t),
+                                                      sOt)
+                cute.copy(tma_atom_o, tOsO, tOgO)
+                if const_expr(t == 0):
+                    if wg == 1:
+                        if idx_in_wg == 0:
+                            row = (Int64(s_idx) * Int64(mLse.shape[1]) + Int64(h_blk * B_H)) * 4
+                            src = dev.smem_addr_u32(sOut.iterator)
+                            dev.bulk_copy_s2g(dev.gmem_addr_i64(mMaxLogits.iterator) + row, src, Int32(B_H * 4))
+                            dev.bulk_copy_s2g(dev.gmem_addr_i64(mLse.iterator) + row, src + B_H * 4, Int32(B_H * 4))
+                cute.arch.cp_async_bulk_commit_group()
