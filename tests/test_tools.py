@@ -131,3 +131,16 @@ def test_compile_report_cli_errors_and_no_nvdisasm(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert recs[0]["sass"] is None
     assert "SASS: n/a (nvdisasm not installed)" in out and "HGMMA" not in out.split("probe", 1)[1]
+
+
+def test_fwd_method_check_cli_on_cpu(capsys, monkeypatch):
+    """The forward timing-method diagnostic: --help works, and without a GPU it stops with a clear
+    message instead of a traceback."""
+    mod = load("fwd_method_check")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "--bin" in capsys.readouterr().out
+    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--bin", "/nonexistent"])
+    assert "needs a CUDA GPU" in str(e.value.code)
