@@ -144,3 +144,20 @@ def test_fwd_method_check_cli_on_cpu(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         mod.main(["--bin", "/nonexistent"])
     assert "needs a CUDA GPU" in str(e.value.code)
+
+
+def test_bench_back_to_back_on_cpu(tmp_path, capsys):
+    """--b2b N: each sample is N calls back to back (the FlashMLA binary's method); recorded in the
+    rows and the metadata; a negative N is refused."""
+    bench = load("bench")
+    out = tmp_path / "b.json"
+    bench.main(["--quick", "--cpu", "--ops", "fwd", "--reps", "20", "--warmup", "1", "--sets", "2", "--b2b", "3",
+                "--json", str(out)])
+    assert "3 calls back to back per sample" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["meta"]["b2b"] == 3 and data["rows"] and all(r["b2b"] == 3 and r["ms"] > 0 for r in data["rows"])
+    calls = []
+    med, times = bench.time_fn(lambda i: calls.append(i), 2, 0, 4, bench.torch.device("cpu"), b2b=3)
+    assert calls == [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1] and len(times) == 4  # 4 samples x 3 calls, sets rotate
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--cpu", "--b2b", "-1"])

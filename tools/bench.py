@@ -18,6 +18,11 @@ Method: CUDA events around one call of each implementation's public entry point 
 included), median of --reps (>= 20) runs after --warmup runs; --sets independent input sets
 rotated between runs so L2 does not hold the previous run's KV; distinct random indices per row
 (as a top-k selection produces).  A progress line is printed as each measurement finishes.
+With --b2b N each sample is instead N calls back to back between one event pair (no synchronize
+between them; the sets still rotate), divided by N: how the FlashMLA binary times itself, so the
+method to use when comparing with it (measured with tools/fwd_method_check.py on an H200: the
+per-call method reads ours 2-5% slower than back to back).  (--b2b was added after the last GPU
+session and has not run on a GPU yet.)
 
 FLOPs (invalid slots counted, as the peers count them; docs/METHOD.md):
   fwd        2 * s_q * h_q * topk * (d_qk + d_v)
@@ -146,8 +151,14 @@ def make_sets(n_sets, s_q, h_q, topk, d_qk, d_v, s_kv, device, dtype, seed=0):
     return sets
 
 
-def time_fn(fn, n_sets, warmup, reps, device):
-    """``fn(i)`` runs input set ``i % n_sets``; returns ``(median ms, all ms)``."""
+def time_fn(fn, n_sets, warmup, reps, device, b2b: int = 0):
+    """``fn(i)`` runs input set ``i % n_sets``; returns ``(median ms, all ms)``.
+
+    ``b2b`` 0: each sample is one call between two events, synchronized after it (the host time
+    of the call shows where the GPU waits for it).  ``b2b`` N > 0: each sample is N calls back to
+    back (input sets still rotating) between one event pair, divided by N -- the way FlashMLA's
+    anchor binary times itself, so the method to compare with it."""
+    n = max(1, b2b)
     if device.type == "cuda":
         for i in range(warmup):
             fn(i % n_sets)
@@ -156,18 +167,20 @@ def time_fn(fn, n_sets, warmup, reps, device):
         for i in range(reps):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn(i % n_sets)
+            for j in range(n):
+                fn((i * n + j) % n_sets)
             e.record()
             e.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(s.elapsed_time(e) / n)
         return statistics.median(times), times
     for i in range(warmup):
         fn(i % n_sets)
     times = []
     for i in range(reps):
         t0 = time.perf_counter()
-        fn(i % n_sets)
-        times.append((time.perf_counter() - t0) * 1e3)
+        for j in range(n):
+            fn((i * n + j) % n_sets)
+        times.append((time.perf_counter() - t0) * 1e3 / n)
     return statistics.median(times), times
 
 
@@ -186,12 +199,13 @@ class BenchContext:
     shapes: Optional[set]
     progress: Callable[[str], None]
     ref_reps: int = 20
+    b2b: int = 0  # calls per timed sample, back to back (0: one call, synchronized; see time_fn)
 
     def wants(self, shape_name: str) -> bool:
         return not self.shapes or shape_name in self.shapes
 
     def time(self, fn, reps: Optional[int] = None):
-        return time_fn(fn, self.sets, self.warmup, reps or self.reps, self.device)
+        return time_fn(fn, self.sets, self.warmup, reps or self.reps, self.device, self.b2b)
 
     def random_indices(self, s_q, s_kv, topk):
         return random_indices(s_q, s_kv, topk, self.device)
@@ -360,11 +374,11 @@ def builtin_rows(ctx: BenchContext, ops, shapes, prog: Progress):
                 reps = ctx.reps if impl != "reference" else ctx.ref_reps
                 try:
                     with forced_backend(backend or "auto"):
-                        med, times = time_fn(call, ctx.sets, ctx.warmup, reps, ctx.device)
+                        med, times = time_fn(call, ctx.sets, ctx.warmup, reps, ctx.device, ctx.b2b)
                 except Exception as e:  # report, keep going
                     prog(f"{name} {op} {impl}: FAILED {type(e).__name__}: {str(e)[:200]}", count=True)
                     continue
-                rows.append(dict(op=op, shape=name, impl=impl, backend=backend, ms=med, flops=fl, reps=reps,
+                rows.append(dict(op=op, shape=name, impl=impl, backend=backend, ms=med, flops=fl, reps=reps, b2b=ctx.b2b,
                                  min_ms=min(times), max_ms=max(times), s_q=s_q, h_q=h_q, topk=topk, d_qk=d_qk,
                                  d_v=d_v, s_kv=s_kv))
                 prog(f"{name} {op} {impl}: {med:.3f} ms  {_rate(fl, med, ctx.device)}", count=True)
@@ -550,6 +564,9 @@ def build_parser(families):
     ap.add_argument("--ref-reps", type=int, default=20, help="timed runs of the reference, >= 20 (default 20)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed runs before timing (default 5)")
     ap.add_argument("--sets", type=int, default=3, help="independent input sets rotated between runs (default 3)")
+    ap.add_argument("--b2b", type=int, default=0, metavar="N",
+                    help="time N calls back to back per sample (one event pair, no synchronize between them): "
+                         "FlashMLA's binary's method, for comparing with it (default 0: one synchronized call)")
     ap.add_argument("--peers", default="", metavar="DIR",
                     help="directory with FlashMLA's anchor binaries under anchors/flashmla/ (default: "
                          "$MLA_KERNELS_PEERS or a .peers directory next to the repository)")
@@ -583,7 +600,10 @@ def run(args, families):
     ctx = BenchContext(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, quick=quick,
                        reps=args.reps, warmup=args.warmup, sets=args.sets, no_ref=args.no_ref,
                        peers=find_peers(args.peers), shapes=set(args.shapes) if args.shapes else None,
-                       progress=prog, ref_reps=args.ref_reps)
+                       progress=prog, ref_reps=args.ref_reps, b2b=args.b2b)
+    if args.b2b:
+        print(f"timing: {args.b2b} calls back to back per sample (no synchronize between them), as FlashMLA's "
+              "binary times itself")
     if builtin_ops and not shapes:
         print(f"note: none of --shapes {','.join(args.shapes)} is a {'quick' if quick else 'GPU'} shape; "
               f"{'use --quick for quick-a/quick-b' if not quick else 'the CPU runs quick-a/quick-b only'}")
@@ -600,7 +620,7 @@ def run(args, families):
             rows.append(r)
     print_tables(rows, device)
     meta = dict(gpu=gpu, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), commit=_commit(), reps=args.reps,
-                warmup=args.warmup, sets=args.sets, quick=quick,
+                warmup=args.warmup, sets=args.sets, quick=quick, b2b=args.b2b,
                 what="PyTorch reference on the CPU (smoke test; GFLOP/s)" if device.type == "cpu" else "GPU kernels")
     if args.json:
         with open(args.json, "w") as f:
@@ -622,6 +642,8 @@ def main(argv=None, family_dirs=None):
         ap.error("--ref-reps must be >= 20")
     if args.warmup < 0 or args.sets < 1:
         ap.error("--warmup must be >= 0 and --sets >= 1")
+    if args.b2b < 0:
+        ap.error("--b2b must be >= 0 (0: one synchronized call per sample)")
     return run(args, families)
 
 
