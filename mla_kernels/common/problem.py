@@ -80,8 +80,40 @@ class MergeProblem:
     h_q: int
 
 
+class _IndexerShapes:
+    """The sizes and type of an indexer problem, read from its ``q [s_q, h, d]`` and ``k [s_kv, d]``."""
+
+    @property
+    def s_q(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def h(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def s_kv(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.q.dtype == torch.float8_e4m3fn
+
+
 @dataclass(frozen=True)
-class IndexerProblem:
+class IndexerProblem(_IndexerShapes):
     """Normalised inputs of one indexer score / top-k call (contiguous, one device):
 
     * ``q [s_q, h_idx, d_idx]`` and ``k [s_kv, d_idx]`` in one dtype (bfloat16, float16, float32,
@@ -101,37 +133,9 @@ class IndexerProblem:
     k_scale: Optional[torch.Tensor]
     k_shape: torch.Size
 
-    @property
-    def s_q(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def h(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def d(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def s_kv(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.q.dtype == torch.float8_e4m3fn
-
 
 @dataclass(frozen=True)
-class IndexerLossProblem:
+class IndexerLossProblem(_IndexerShapes):
     """Normalised inputs of the indexer loss: ``q``, ``k``, ``weights`` as in
     :class:`IndexerProblem` except that ``weights`` keeps the caller's dtype (its gradient is
     returned in it); ``indices [s_q, topk]`` int32 (out-of-range values mapped to -1);
@@ -150,33 +154,5 @@ class IndexerLossProblem:
     k_shape: torch.Size
 
     @property
-    def s_q(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def h(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def d(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def s_kv(self) -> int:
-        return self.k.shape[0]
-
-    @property
     def topk(self) -> int:
         return self.indices.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.q.dtype == torch.float8_e4m3fn
