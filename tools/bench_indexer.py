@@ -49,7 +49,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
                          "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4)")
     ap.add_argument("--peer-tar", default="",
-                    help="cuDNN-frontend tarball (e.g. ../../.pidx/peers/cudnn-frontend-1.32.0-slim.tar.xz): "
+                    help="cuDNN-frontend tarball (e.g. cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
     ap.add_argument("--no-peer", action="store_true", help="do not time cuDNN-frontend")
     ap.add_argument("--peer-only", action="store_true", help="time only cuDNN-frontend")
@@ -358,7 +358,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
 
 
 def _peer_rows(out, m, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass):
-    """cuDNN-frontend 1.32.0's sm90 indexer (see ../shared/peers/time_cudnn_indexer.py): dense
+    """cuDNN-frontend 1.32.0's sm90 indexer (its public Python API, timed in this process): dense
     [S, S] f32 scores + radix top-k; predict recompute + indexer backward (the KL in PyTorch)."""
     p_sets = [dict(q=s["q"].view(1, S, H, D), k=s["k"].view(1, S, 1, D), w=s["w"].bfloat16().view(1, S, H))
               for s in sets]
