@@ -455,30 +455,13 @@ def quad_pair_v4(acc: cute.Tensor, g: int, odd: Boolean):
     )
 
 
-def warp_reduce_scatter_cols(colsum: cute.Tensor, lane: Int32) -> None:
-    """Sum 16 per-lane column partials (columns ``8*g + 2*(lane%4) + v``, ``colsum[2g+v]``) over
-    the 8 row groups of a warp (lane bits 4, 3, 2) by a reduce-scatter: 3 butterfly steps, 14
-    shuffles instead of 48.  Afterwards lane ``l`` holds columns ``2l, 2l+1`` in ``colsum[0:2]``.
-    """
-    n = 16
-    for step in range(3):
-        off = 16 >> step
-        upper = (lane & off) != 0
-        half = n // 2
-        for k in range(half):
-            send = Float32(cutlass.select_(upper, colsum[k], colsum[k + half]))
-            keep = Float32(cutlass.select_(upper, colsum[k + half], colsum[k]))
-            colsum[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
-        n = half
-
-
-def warp_reduce_scatter_32(vals: cute.Tensor, lane: Int32) -> None:
-    """Sum 32 per-lane values over the 32 lanes of a warp by a reduce-scatter (5 butterfly steps,
-    31 shuffles): afterwards lane ``l`` holds ``sum over lanes of vals[l]`` in ``vals[0]`` (the
-    other elements are clobbered).  All lanes call it."""
-    n = 32
-    for step in range(5):
-        off = 16 >> step
+def butterfly_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32, offsets) -> None:
+    """Sum ``vals[0:n]`` over the lanes that differ in the lane bits ``offsets`` (descending powers
+    of two) by a reduce-scatter: at each step a lane keeps one half of its values, sends the other
+    half to its ``lane ^ off`` partner and adds what it receives; afterwards ``vals[0:n >> len(offsets)]``
+    hold this lane's share of the sums.  ``n (1 - 2^-steps)`` shuffles instead of ``n * steps``.
+    All lanes call it."""
+    for off in offsets:
         upper = (lane & off) != 0
         half = n // 2
         for k in range(half):
@@ -486,6 +469,21 @@ def warp_reduce_scatter_32(vals: cute.Tensor, lane: Int32) -> None:
             keep = Float32(cutlass.select_(upper, vals[k + half], vals[k]))
             vals[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
         n = half
+
+
+def warp_reduce_scatter_cols(colsum: cute.Tensor, lane: Int32) -> None:
+    """Sum 16 per-lane column partials (columns ``8*g + 2*(lane%4) + v``, ``colsum[2g+v]``) over
+    the 8 row groups of a warp (lane bits 4, 3, 2) by a reduce-scatter: 3 butterfly steps, 14
+    shuffles instead of 48.  Afterwards lane ``l`` holds columns ``2l, 2l+1`` in ``colsum[0:2]``.
+    """
+    butterfly_reduce_scatter(colsum, 16, lane, (16, 8, 4))
+
+
+def warp_reduce_scatter_32(vals: cute.Tensor, lane: Int32) -> None:
+    """Sum 32 per-lane values over the 32 lanes of a warp by a reduce-scatter (5 butterfly steps,
+    31 shuffles): afterwards lane ``l`` holds ``sum over lanes of vals[l]`` in ``vals[0]`` (the
+    other elements are clobbered).  All lanes call it."""
+    butterfly_reduce_scatter(vals, 32, lane, (16, 8, 4, 2, 1))
 
 
 def transpose_lanes(vec: cute.Tensor, r8: Int32, n: int) -> None:

@@ -24,7 +24,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .device import acc_flat
+from .device import acc_flat, butterfly_reduce_scatter
 
 
 @dsl_user_op
@@ -96,14 +96,7 @@ def quad_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32) -> None:
     (``lane ^ 1``, ``lane ^ 2``) by a reduce-scatter: afterwards lane ``q = lane % 4`` holds the
     sums of the original elements ``[q n/4, (q+1) n/4)`` in ``vals[0:n/4]``.  ``3n/4`` shuffles
     instead of ``2n``.  All lanes call it."""
-    for off in (2, 1):
-        upper = (lane & off) != 0
-        half = n // 2
-        for k in range(half):
-            send = Float32(cutlass.select_(upper, vals[k], vals[k + half]))
-            keep = Float32(cutlass.select_(upper, vals[k + half], vals[k]))
-            vals[k] = keep + cute.arch.shuffle_sync_bfly(send, offset=off)
-        n = half
+    butterfly_reduce_scatter(vals, n, lane, (2, 1))
 
 
 def _split_sums(terms, parts: int):
