@@ -48,6 +48,7 @@ def kernels_for(arch):
     from mla_kernels.common.probe import compile_probe
 
     if arch == "sm_90a":
+        from mla_kernels.common.index_order import compile_index_order
         from mla_kernels.common.segment_sum import compile_segment_sum
         from mla_kernels.sm90 import (
             compile_attn_dist, compile_bwd, compile_combine, compile_decode, compile_decode_narrow, compile_fwd,
@@ -67,6 +68,7 @@ def kernels_for(arch):
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
             ("segment_sum_d576_bf16", lambda a, **kw: compile_segment_sum(576, a, bf16_rows=True, **kw)),
+            ("index_order_topklen_perm", lambda a, **kw: compile_index_order(True, True, a, **kw)),
             ("sm90_decode_d576_h128_split", lambda a, **kw: compile_decode(576, 128, True, a, **kw)),
             ("sm90_decode_d576_h64_direct", lambda a, **kw: compile_decode(576, 64, False, a, **kw)),
             ("sm90_decode_d512_h128_fused", lambda a, **kw: compile_decode(512, 128, True, a, fused=True, **kw)),

@@ -32,6 +32,8 @@ and read once.
 from __future__ import annotations
 
 import math
+import os
+
 import torch
 
 from .. import _compile
@@ -91,12 +93,62 @@ def ws_row_blocks(kernel, h_q: int) -> int:
     return h_q // getattr(kernel, "ws_row_heads", B_H)
 
 
+#: Environment switch of :func:`kv_ordered` (``0``: the kernel gets the slots as given; for A/B
+#: timing and for callers whose indices are already in kv order).
+SORT_ENV = "MLA_KERNELS_BWD_SORT"
+
+
+def sort_enabled() -> bool:
+    return os.environ.get(SORT_ENV, "1") != "0"
+
+
+def kv_ordered(p: Problem, want_perm: bool):
+    """``(p with each row's slots grouped by kv band, perm)``.
+
+    Each row's valid entries come first, ordered by band (63 bands over ``[0, s_kv)``; in slot
+    order within a band), then -1 for the invalid ones (including slots past ``topk_length``,
+    which stays valid: it still bounds the valid entries).  ``perm [s_q, topk]`` int32 (only with
+    ``want_perm``, else None): the original slot of each entry.  Why: the backward's dKV
+    scatter-add into a float32 workspace is bound by the L2/HBM read-modify-write, and with every
+    row in kv order the CTAs running at the same time add into the same narrow band of rows, which
+    stays in L2 (docs/PERF.md: H200, s_q 4096, topk 2048, s_kv 32k, h_q 64: 11.92 -> 8.80 ms).  One
+    CTA per row (:class:`~mla_kernels.common.index_order.KvBandOrder`); the order depends only on
+    the inputs, so the deterministic mode stays bitwise reproducible."""
+    if p.s_q == 0 or p.topk == 0:
+        return p, None
+    dev = p.device
+    arch = _compile.arch_for_device(dev)
+    has_tl = p.topk_length is not None
+    _, fn = _compile.cached_compile(("KvBandOrder", has_tl, want_perm, arch),
+                                    lambda: _compile_index_order(has_tl, want_perm, arch))
+    out = torch.empty_like(p.indices)
+    perm = torch.empty_like(p.indices) if want_perm else host.dummy(torch.int32, dev, (1, 1))
+    tl = p.topk_length if has_tl else host.dummy(torch.int32, dev)
+    fn(p.indices, tl, out, perm, p.s_kv, band_shift(p.s_kv))
+    return p.with_indices(out), (perm if want_perm else None)
+
+
+def band_shift(s_kv: int) -> int:
+    """``common.index_order.band_shift`` (kept here so that the warm path imports no DSL)."""
+    return max(0, (max(s_kv, 1) - 1).bit_length() - 6)
+
+
+def _compile_index_order(has_tl: bool, want_perm: bool, arch: str):
+    from .index_order import compile_index_order  # the kernel module (imports the DSL): only to compile
+
+    return compile_index_order(has_tl, want_perm, arch)
+
+
 def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False,
-            *, compile_bwd, name: str):
+            *, compile_bwd, name: str, sort_indices: bool = False):
     """The backward on a validated, topk-padded problem: ``(dq, dkv, d_sink[, attn_sum])``.
 
     ``compile_bwd`` is the backend's ``compile_bwd`` (``sm90`` or ``sm100``), ``name`` its compile
-    cache key (the kernel class name)."""
+    cache key (the kernel class name); ``sort_indices``: run the kernel on :func:`kv_ordered`
+    slots (``attn_sum`` is mapped back to the caller's slot order)."""
+    perm = None
+    if sort_indices and sort_enabled() and p.indices.is_cuda:
+        p, perm = kv_ordered(p, return_attn_sum)
     dev = p.device
     n_hblk = p.h_q // B_H
     lse2, corr, asum_scale, lse_eff = row_terms(p, lse, dlse, return_attn_sum)
@@ -148,7 +200,10 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
     d_sink = d_attn_sink(p, lse_eff, delta) if p.attn_sink is not None else None
     res = (dq, dkv, d_sink)
     if return_attn_sum:
-        res = res + (asum_parts.sum(dim=1) if n_hblk > 1 else asum_parts[:, 0],)
+        asum = asum_parts.sum(dim=1) if n_hblk > 1 else asum_parts[:, 0]
+        if perm is not None:  # back to the caller's slot order
+            asum = torch.empty_like(asum).scatter_(1, perm.long(), asum)
+        res = res + (asum,)
     return res
 
 

@@ -130,6 +130,9 @@ class CuteKernelBackend(Backend):
 
     compile_bwd = None  # the backward's compile function (same arguments on every arch)
     bwd_name = ""  # its compile-cache key
+    #: Run the backward on each row's slots in kv order (``bwd_host.kv_ordered``); on where it
+    #: was measured.
+    bwd_sort_indices = False
 
     @property
     def import_spec(self) -> str:
@@ -204,7 +207,8 @@ class CuteKernelBackend(Backend):
         from . import bwd_host
 
         return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
-                                compile_bwd=type(self).compile_bwd, name=self.bwd_name)
+                                compile_bwd=type(self).compile_bwd, name=self.bwd_name,
+                                sort_indices=self.bwd_sort_indices)
 
 
 def cached(key: tuple, build):

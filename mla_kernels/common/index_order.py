@@ -1,0 +1,197 @@
+"""Per-row grouping of top-k indices by kv band (CuTe DSL; arch-agnostic: ballots, popcounts,
+plain loads and stores, no MMA).
+
+``out[r]`` = the entries of ``indices[r]`` ordered by *band* -- ``min(idx >> shift, 62)``, 63 bands
+over ``[0, s_kv)`` -- and, within a band, by slot (a stable order); the invalid entries (``idx < 0``,
+``idx >= s_kv``, slot ``>= topk_length[r]``) come last, as -1.  ``perm[r, j]`` is the slot of
+``indices[r]`` that ``out[r, j]`` came from (a permutation of ``0..topk-1``).  Duplicates are kept.
+The order depends only on the inputs, so it is the same on every run.
+
+Why (the sparse backward, ``common/bwd_host.py``): the float32 dKV scatter-add is bound by the
+L2 / HBM read-modify-write of a ``[s_kv, d_qk]`` workspace.  With each row's slots in kv order,
+the CTAs that run at the same time walk the kv range together, so their atomics (and gathers)
+fall into a narrow band of rows that stays in L2.  A band order is all that needs: the kernel
+visits 64 slots per block, and 63 bands put each block of a 2048-slot row into 1/32 of the range,
+as a full sort would -- at a fraction of a sort's cost (a bitonic sort of the rows measured 0.5 ms
+at s_q 4096, topk 2048 on an H200: as much as it saved).
+
+One CTA of 8 warps per row; warp ``w`` owns a contiguous run of slots, 32 at a time (loaded
+``RUN`` at a time, so that the loads are in flight together).  Pass 1
+counts each warp's entries per band (lanes of one band find each other with six ballots, the
+highest of them adds the group's size to the warp's counter in shared memory); warp 0 turns the
+counts into each (warp, band)'s first output position (band-major, warp-minor: slot order within
+a band); pass 2 recomputes the groups and writes each entry at its position plus its rank among
+the lower lanes of its group.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32, const_expr
+
+THREADS = 256
+WARPS = THREADS // 32
+BAND_BITS = 6
+BANDS = 1 << BAND_BITS  # bands 0..62 for valid entries, 63 for invalid ones
+INVALID_BAND = BANDS - 1
+RUN = 8  # slots per lane loaded before they are grouped (independent loads in flight)
+
+
+def band_shift(s_kv: int) -> int:
+    """The shift that maps ``[0, s_kv)`` onto at most 64 bands (band 63 then merges into 62)."""
+    return max(0, (max(s_kv, 1) - 1).bit_length() - BAND_BITS)
+
+
+class KvBandOrder:
+    """Static configuration (whether ``topk_length`` / ``perm`` are used) + launcher + kernel."""
+
+    def __init__(self, has_topk_length: bool = False, want_perm: bool = False):
+        self.has_topk_length = has_topk_length
+        self.want_perm = want_perm
+        self.smem_bytes = 0
+
+    @cute.jit
+    def __call__(
+        self,
+        mIdx: cute.Tensor,  # [s_q, topk] int32
+        mTopkLen: cute.Tensor,  # [s_q] int32 (read only if has_topk_length)
+        mOut: cute.Tensor,  # [s_q, topk] int32
+        mPerm: cute.Tensor,  # [s_q, topk] int32 (written only if want_perm)
+        s_kv: Int32,
+        shift: Int32,  # band_shift(s_kv)
+        stream,
+    ):
+        @cute.struct
+        class SharedStorage:
+            cnt: cute.struct.Align[cute.struct.MemRange[Int32, WARPS * BANDS], 16]
+
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.kernel(mIdx, mTopkLen, mOut, mPerm, s_kv, shift, SharedStorage).launch(
+            grid=[mIdx.shape[0], 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream
+        )
+
+    @cute.jit
+    def _load(self, mIdx, row, slot, limit, topk, s_kv, shift):
+        """``(present, band, entry)`` of one slot (the load is unconditional -- a clamped slot --
+        so that a run of them issues back to back)."""
+        v = mIdx[row, cutlass.min(slot, topk - 1)]
+        present = slot < topk
+        ok = present and slot < limit and v >= 0 and v < s_kv
+        band = cutlass.select_(ok, cutlass.min(v >> shift, Int32(INVALID_BAND - 1)), Int32(INVALID_BAND))
+        entry = cutlass.select_(ok, v, Int32(-1))
+        return present, band, entry
+
+    @cute.jit
+    def _peers(self, present, band):
+        """The lanes holding an entry of the same band as this lane (``present`` lanes only)."""
+        peers = Uint32(cute.arch.vote_ballot_sync(present))
+        for bit in cutlass.range_constexpr(BAND_BITS):
+            on = ((band >> bit) & 1) != 0
+            bal = Uint32(cute.arch.vote_ballot_sync(on))
+            peers = peers & cutlass.select_(on, bal, ~bal)
+        return peers
+
+    @cute.kernel
+    def kernel(self, mIdx: cute.Tensor, mTopkLen: cute.Tensor, mOut: cute.Tensor, mPerm: cute.Tensor,
+               s_kv: Int32, shift: Int32, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        cnt = storage.cnt.get_tensor(cute.make_layout((BANDS, WARPS)))  # cnt[band, warp]
+        topk = mIdx.shape[1]
+        limit = topk
+        if const_expr(self.has_topk_length):
+            limit = mTopkLen[row]
+        per_warp = (topk + 32 * WARPS - 1) // (32 * WARPS) * 32
+        first = warp * per_warp
+        lower = (Uint32(1) << Uint32(lane)) - Uint32(1)  # lanes below this one
+        for k in cutlass.range_constexpr(BANDS * WARPS // THREADS):
+            cnt[tidx + k * THREADS] = Int32(0)
+        cute.arch.sync_threads()
+
+        # pass 1: entries per (band, warp); the slots are loaded RUN at a time, then grouped
+        n_runs = (per_warp + 32 * RUN - 1) // (32 * RUN)
+        for r in cutlass.range(n_runs, unroll=1):
+            bands = cute.make_rmem_tensor((RUN,), Int32)
+            pres = cute.make_rmem_tensor((RUN,), Int32)
+            for u in cutlass.range_constexpr(RUN):
+                slot = first + (r * RUN + u) * 32 + lane
+                present, band, _ = self._load(mIdx, row, slot, limit, topk, s_kv, shift)
+                bands[u] = band
+                pres[u] = Int32(present and slot < first + per_warp)
+            for u in cutlass.range_constexpr(RUN):
+                present = pres[u] != 0
+                peers = self._peers(present, bands[u])
+                if present and (peers >> Uint32(lane)) == Uint32(1):  # the group's highest lane
+                    cnt[bands[u], warp] = cnt[bands[u], warp] + Int32(cute.arch.popc(peers))
+                cute.arch.sync_warp()
+        cute.arch.sync_threads()
+
+        # warp 0: first output position of each (band, warp); lane l owns bands 2l and 2l + 1
+        if warp == 0:
+            tot0 = Int32(0)
+            tot1 = Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                tot0 = tot0 + cnt[2 * lane, w]
+                tot1 = tot1 + cnt[2 * lane + 1, w]
+            incl = tot0 + tot1
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            run = incl - tot0 - tot1
+            for b in cutlass.range_constexpr(2):
+                for w in cutlass.range_constexpr(WARPS):
+                    c = cnt[2 * lane + b, w]
+                    cnt[2 * lane + b, w] = run
+                    run = run + c
+        cute.arch.sync_threads()
+
+        # pass 2: each entry at its (band, warp)'s next position plus its rank in its group
+        for r in cutlass.range(n_runs, unroll=1):
+            bands = cute.make_rmem_tensor((RUN,), Int32)
+            pres = cute.make_rmem_tensor((RUN,), Int32)
+            entries = cute.make_rmem_tensor((RUN,), Int32)
+            for u in cutlass.range_constexpr(RUN):
+                slot = first + (r * RUN + u) * 32 + lane
+                present, band, entry = self._load(mIdx, row, slot, limit, topk, s_kv, shift)
+                bands[u] = band
+                entries[u] = entry
+                pres[u] = Int32(present and slot < first + per_warp)
+            for u in cutlass.range_constexpr(RUN):
+                slot = first + (r * RUN + u) * 32 + lane
+                present = pres[u] != 0
+                band = bands[u]
+                peers = self._peers(present, band)
+                if present:
+                    pos = cnt[band, warp] + Int32(cute.arch.popc(peers & lower))
+                    mOut[row, pos] = entries[u]
+                    if const_expr(self.want_perm):
+                        mPerm[row, pos] = slot
+                cute.arch.sync_warp()
+                if present and (peers >> Uint32(lane)) == Uint32(1):
+                    cnt[band, warp] = cnt[band, warp] + Int32(cute.arch.popc(peers))
+                cute.arch.sync_warp()
+
+
+def compile_index_order(has_topk_length: bool = False, want_perm: bool = False, arch: str = "sm_90a", **kw):
+    """Compile the band order (no GPU needed)."""
+    from .. import _compile
+    from . import host
+
+    kernel = KvBandOrder(has_topk_length, want_perm)
+    s_q, topk = cute.sym_int(), cute.sym_int()
+    args = (
+        host.fake(Int32, (s_q, topk), align=4),
+        host.fake(Int32, (cute.sym_int(),), align=4),
+        host.fake(Int32, (s_q, topk), align=4),
+        host.fake(Int32, (cute.sym_int(), cute.sym_int()), align=4),
+        Int32(0),
+        Int32(0),
+        host.fake_stream(),
+    )
+    return kernel, _compile.compile_kernel(kernel, *args, arch=arch, **kw)

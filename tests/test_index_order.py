@@ -1,0 +1,104 @@
+"""The per-row kv-band order of the backward's slots (common/index_order.py,
+common/bwd_host.kv_ordered): compile on the CPU, exact results on an sm_90 GPU, and the backward's
+results with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_case, needs_cutlass, rel_l2, skip_unless_sm90
+
+
+def expected_order(idx: torch.Tensor, s_kv: int, topk_length=None):
+    """(ordered indices, the slots they came from): stable by band ``min(idx >> shift, 62)``,
+    invalid entries last as -1."""
+    from mla_kernels.common.bwd_host import band_shift
+
+    s_q, topk = idx.shape
+    slot = torch.arange(topk, device=idx.device).expand(s_q, topk)
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        valid &= slot < topk_length.clamp(min=0)[:, None]
+    band = torch.where(valid, (idx.long() >> band_shift(s_kv)).clamp(max=62),
+                       torch.full_like(idx, 63, dtype=torch.long))
+    key = (band * 65536 + slot).sort(dim=1).values
+    perm = key % 65536
+    out = torch.where(valid.gather(1, perm), idx.gather(1, perm), -1)
+    return out.to(torch.int32), perm.to(torch.int32)
+
+
+def test_index_order_compiles_for_sm90():
+    needs_cutlass()
+    from mla_kernels.common.index_order import band_shift, compile_index_order
+    from mla_kernels.common import bwd_host
+
+    for s_kv in (1, 63, 64, 65, 1000, 32768, 2**31 - 1):
+        assert bwd_host.band_shift(s_kv) == band_shift(s_kv)
+        assert (s_kv - 1) >> band_shift(s_kv) < 64
+    kernel, _ = compile_index_order(True, True, "sm_90a")
+    assert kernel.smem_bytes == 8 * 64 * 4
+
+
+def test_expected_order_on_cpu():
+    idx = torch.tensor([[5, -1, 3, 3, 9, 0], [7, 6, 5, 4, 3, 2]], dtype=torch.int32)
+    out, perm = expected_order(idx, 9, torch.tensor([6, 3]))  # s_kv 9: one row per band
+    assert out.tolist() == [[0, 3, 3, 5, -1, -1], [5, 6, 7, -1, -1, -1]]
+    assert perm.tolist() == [[5, 2, 3, 0, 1, 4], [2, 1, 0, 3, 4, 5]]
+    out, perm = expected_order(torch.tensor([[300, 5, 299, 7, 1000]], dtype=torch.int32), 1000)
+    assert out.tolist() == [[5, 7, 300, 299, -1]]  # bands of 16 rows; slot order within a band
+    assert perm.tolist() == [[1, 3, 0, 2, 4]]
+
+
+@skip_unless_sm90()
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [1, 64, 100, 576, 2048, 8192])
+@pytest.mark.parametrize("with_tl", [False, True])
+@pytest.mark.parametrize("s_kv", [40, 3000, 100_000])
+def test_index_order_exact(topk, with_tl, s_kv):
+    from mla_kernels.common import bwd_host
+    from mla_kernels.common.problem import Problem
+
+    torch.manual_seed(topk + with_tl + s_kv)
+    s_q = 37
+    idx = torch.randint(-200, s_kv + 200, (s_q, topk), dtype=torch.int32, device="cuda")
+    idx[0] = -1
+    idx[1] = 7  # all duplicates
+    tl = None
+    if with_tl:
+        tl = torch.randint(0, topk + 1, (s_q,), dtype=torch.int32, device="cuda")
+        tl[2] = 0
+        tl[3] = topk
+        tl[4] = -5  # kernels get lengths clamped to [0, topk]; the order must not break on others
+    q = torch.empty(s_q, 64, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.empty(s_kv, 576, device="cuda", dtype=torch.bfloat16)
+    p = Problem(q, kv, idx, 1.0, 512, tl, None, kv.shape)
+    p2, perm = bwd_host.kv_ordered(p, True)
+    ref, ref_perm = expected_order(idx, s_kv, tl)
+    assert torch.equal(p2.indices, ref)
+    assert torch.equal(perm, ref_perm)
+    p3, none = bwd_host.kv_ordered(p, False)
+    assert none is None and torch.equal(p3.indices, ref)
+
+
+@skip_unless_sm90()
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_bwd_same_with_and_without_sort(h_q, monkeypatch):
+    """The backward on kv-ordered slots gives the unsorted run's gradients (to float rounding:
+    the order of additions differs) and attn_sum in the caller's slot order."""
+    import mla_kernels as mk
+    from mla_kernels.common import bwd_host
+
+    case = make_case(150, h_q, 576, 900, 256, device="cuda", invalid_frac=0.1, dup_frac=0.1, topk_length=True)
+    out, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, topk_length=case.topk_length)
+    dout = torch.randn_like(out)
+    res = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(bwd_host.SORT_ENV, flag)
+        res[flag] = mk.sparse_mla_bwd(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale,
+                                      topk_length=case.topk_length, return_attn_sum=True)
+    (dq1, dkv1, _, a1), (dq0, dkv0, _, a0) = res["1"], res["0"]
+    assert rel_l2(dq1, dq0) < 5e-3 and rel_l2(dkv1, dkv0) < 5e-3
+    assert torch.allclose(a1, a0, rtol=1e-5, atol=1e-6)
+    assert not any(t.isnan().any() for t in (dq1, dkv1, a1))
