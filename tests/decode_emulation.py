@@ -20,12 +20,14 @@ class Calls:
 
 
 def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bool = False, cluster: int = 0,
-                       cluster_bf16: bool = False):
+                       cluster_bf16: bool = False, cluster_l2: bool = False):
+    if cluster_l2:  # the fused kernel's contract: parts through the workspace, merged by the cluster
+        fused = True
     def fn(q, bias, kv4, idx, bt, tl, sink, out, lse, ml, *rest):
         if fused:  # the merged outputs and the arrival counters come after max_logits
             out_f, lse_f, ml_f, cnt, *rest = rest
         scale_log2, flags, page_size, tl_b, tl_s, n_splits, bps = rest
-        tag = ("fused",) if fused else ((f"cluster{cluster}",) if cluster else ())
+        tag = (f"cluster{cluster}",) if cluster else (("fused",) if fused else ())
         calls.log.append(("decode", d_qk, h_q, split, flags, n_splits, bps, tl_b, tl_s) + tag)
         b, s_q, h, d = q.shape
         assert (h, d) == (h_q, d_qk) and q.dtype == torch.bfloat16 and q.is_contiguous()
@@ -37,7 +39,7 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bo
         assert lse.dim() == 3 and lse.shape[2] == h and ml.dim() == 3 and ml.shape[2] == h
         T = b * s_q
         topk = idx.shape[2]
-        if cluster:  # the row's CTAs merge over DSMEM and write the direct mode's outputs
+        if cluster and not cluster_l2:  # the row's CTAs merge over DSMEM and write the direct mode's outputs
             assert split and n_splits == cluster and h % 64 == 0
             assert out.shape == (b, s_q, h, 512) and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
             assert not (flags & dh.F_SINK) or sink.shape == (h,)
@@ -75,9 +77,10 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bo
             lse.copy_(lses.reshape(n_splits, T, h))
             if flags & dh.F_MAX_LOGITS:
                 ml.copy_(mls.reshape(n_splits, T, h))
-            if fused:  # the last CTA's merge; the counters are zero before and after
+            if fused:  # the last CTA's merge (or the cluster's); the counters are zero before and after
                 assert cnt.dtype == torch.int32 and cnt.dim() == 1 and bool((cnt == 0).all())
-                assert cnt.numel() == T * (1 if h <= 32 else h // 64)
+                assert cnt.numel() == (1 if cluster_l2 else T * (1 if h <= 32 else h // 64))
+                assert not cluster_l2 or (n_splits == cluster and h % 64 == 0)
                 assert out_f.shape == (b, s_q, h, 512) and out_f.dtype == torch.bfloat16
                 o, l_ = ref.merge_attn_partials_ref(out.reshape(n_splits, T, h, 512), lse.reshape(n_splits, T, h),
                                                     sink if flags & dh.F_SINK else None, torch.bfloat16)
@@ -118,7 +121,8 @@ def emulated_compilers(calls: Calls):
     return (
         lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False),
                                                                        kw.get("cluster", 0),
-                                                                       kw.get("cluster_bf16", False))),
+                                                                       kw.get("cluster_bf16", False),
+                                                                       kw.get("cluster_l2", False))),
         lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False))),
         lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
     )

@@ -297,10 +297,13 @@ def emulated_sm90(monkeypatch):
 @pytest.mark.parametrize("h,num_splits,combine", [(16, 1, "separate"), (16, 3, "separate"), (128, 1, "separate"),
                                                   (64, 4, "separate"), (16, 3, "fused"), (128, 2, "fused"),
                                                   (128, 4, "cluster"), (64, 2, "auto"), (64, 3, "cluster"),
-                                                  (16, 2, "cluster")])
+                                                  (16, 2, "cluster"), (128, 4, "cluster-l2")])
 @pytest.mark.parametrize("opts", ["none", "all", "bt_tl2"])
 def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, combine, opts, monkeypatch):
+    l2 = combine == "cluster-l2"  # the cluster merge with the partials through the workspace
+    combine = "cluster" if l2 else combine
     monkeypatch.setenv(decode_host.ENV_COMBINE, combine)
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2" if l2 else "f32")
     b, s_q, d, topk = 3, 2, 576, 260
     q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=h + num_splits, dtype=torch.bfloat16, num_pages=50,
                                 max_pages=20)
@@ -327,7 +330,8 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     # the cluster merge serves the 64-head kernel's split counts 2/4/8/16 (else: the combine kernel)
     cluster = plan.split and combine in ("cluster", "auto") and h % 64 == 0 and plan.num_splits in (2, 4, 8, 16)
     assert plan.state["cluster"] == (plan.num_splits if cluster else 0)
-    assert (plan.out_parts is None) == (cluster or not plan.split)
+    assert (plan.out_parts is None) == ((cluster and not l2) or not plan.split)
+    assert plan.state["cluster_l2"] == (cluster and l2)
     one_launch = fused or cluster or not plan.split
     assert kinds == (["decode"] if one_launch else ["decode", "combine"])
     assert (emulated_sm90.calls.log[0][-1] == "fused") == fused
@@ -385,10 +389,12 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     the combine kernel."""
     for env in (decode_host.ENV_CLUSTER_MAX, decode_host.ENV_CLUSTER_PARTS):
         monkeypatch.delenv(env, raising=False)
-    assert decode_host.cluster_knobs() == (16, False)
+    assert decode_host.cluster_knobs() == (16, "f32")
     monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "8")
     monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "bf16")
-    assert decode_host.cluster_knobs() == (8, True)
+    assert decode_host.cluster_knobs() == (8, "bf16")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2")
+    assert decode_host.cluster_knobs() == (8, "l2")
     monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "12")
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_MAX='12'"):
         decode_host.cluster_knobs()

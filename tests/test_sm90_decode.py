@@ -149,6 +149,9 @@ def test_decode_every_option_split(h, b, s_q, topk, combine, monkeypatch):
     (128, 2, 1, 512, 512, "f32", 4),  # d_qk 512
     (128, 1, 1, 2048, 576, "bf16", 16),  # the staged partials in bf16
     (64, 3, 2, 512, 576, "bf16", 4),
+    (128, 1, 1, 2048, 576, "l2", 16),  # the float32 parts through L2, the cluster merges them
+    (128, 2, 2, 2048, 576, "l2", 16),
+    (64, 3, 2, 512, 512, "l2", 4),
 ])
 def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
     """MLA_KERNELS_DECODE_COMBINE=cluster: the split CTAs of a row run as one cluster and merge
@@ -159,7 +162,8 @@ def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
     c = dcase(b, s_q, h, topk, d=d, tl="b", sink=True, bias=True, seed=17 + h + b + d)
     plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True)
-    assert plan.num_splits == n_want and plan.state["cluster"] == n_want and plan.out_parts is None
+    assert plan.num_splits == n_want and plan.state["cluster"] == n_want
+    assert (plan.out_parts is None) == (parts != "l2") and plan.state["cluster_l2"] == (parts == "l2")
     first = None
     for rep in range(2):
         plan.max_logits.fill_(math.nan)
@@ -175,18 +179,22 @@ def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
     sep = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True)
     o2, l2, _ = run(c, plan=sep)
     assert rel_l2(o2.float(), first[0].float()) < (1e-2 if parts == "bf16" else 2e-3)
+    if parts == "l2":  # the same parts merged by the same per-row code, in the same order
+        assert torch.equal(o2, first[0]) and torch.equal(l2, first[1])
     fin = torch.isfinite(l2)
     assert torch.equal(fin, torch.isfinite(first[1]))
     assert ((l2[fin] - first[1][fin]).abs() <= 1e-5 * l2[fin].abs().clamp_min(1)).all()
 
 
-@pytest.mark.parametrize("h,num_splits", [(128, 2), (64, 8), (128, 8)])
-def test_decode_cluster_forced_splits(h, num_splits, monkeypatch):
+@pytest.mark.parametrize("h,num_splits,parts", [(128, 2, "f32"), (64, 8, "f32"), (128, 8, "f32"), (128, 8, "l2"),
+                                                (64, 2, "l2")])
+def test_decode_cluster_forced_splits(h, num_splits, parts, monkeypatch):
     # forced cluster sizes 2 and 8 (MLA_KERNELS_DECODE_CLUSTER_MAX=8), topk 200 (later splits
     # empty, a partial last block)
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "cluster")
     monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_MAX", "8")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
     for topk in (2048, 200):
         c = dcase(2, 1, h, topk, tl="b", sink=True, seed=topk + h + num_splits)
         plan = mk.decode_plan(2, 1, h, topk, device="cuda", num_splits=num_splits)

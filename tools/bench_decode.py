@@ -348,6 +348,7 @@ AB_VARIANTS = [
     ("cluster-bf16", {"MLA_KERNELS_DECODE_COMBINE": "cluster", "MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"}, SMALL, {}),
     ("cluster-splits-8", {"MLA_KERNELS_DECODE_COMBINE": "cluster"}, "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h64",
      {"num_splits": 8}),
+    ("cluster-l2", {"MLA_KERNELS_DECODE_COMBINE": "cluster", "MLA_KERNELS_DECODE_CLUSTER_PARTS": "l2"}, SMALL, {}),
     ("fused", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, SMALL, {}),
     ("fused-splits-4", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
     ("fused-splits-8", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 8}),

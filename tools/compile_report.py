@@ -71,6 +71,8 @@ def kernels_for(arch):
             ("sm90_decode_d576_h64_direct", lambda a, **kw: compile_decode(576, 64, False, a, **kw)),
             ("sm90_decode_d512_h128_fused", lambda a, **kw: compile_decode(512, 128, True, a, fused=True, **kw)),
             ("sm90_decode_d576_h128_cluster16", lambda a, **kw: compile_decode(576, 128, True, a, cluster=16, **kw)),
+            ("sm90_decode_d576_h128_cluster16_l2",
+             lambda a, **kw: compile_decode(576, 128, True, a, cluster=16, cluster_l2=True, **kw)),
             ("sm90_decode_d512_h64_cluster4_bf16",
              lambda a, **kw: compile_decode(512, 64, True, a, cluster=4, cluster_bf16=True, **kw)),
             ("sm90_decode_narrow_d576_h32_split", lambda a, **kw: compile_decode_narrow(576, 32, True, a, **kw)),

@@ -77,7 +77,7 @@ GROUPS = (
     Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_narrow_split_h16",
                                              "decode_narrow_direct_h32_d512", "decode_fused_h128",
                                              "decode_narrow_fused_h16", "decode_cluster4_h128",
-                                             "decode_cluster2_h64_bf16", "merge")),
+                                             "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 
@@ -310,7 +310,8 @@ def _decode_steps(g: Group, step, dev) -> None:
         if op in g.ops:
             run(op, h, 576, splits, "fused")
     for op, h, splits, env in (("decode_cluster4_h128", 128, 4, {}),
-                               ("decode_cluster2_h64_bf16", 64, 2, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"})):
+                               ("decode_cluster2_h64_bf16", 64, 2, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"}),
+                               ("decode_cluster4_h128_l2", 128, 4, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "l2"})):
         if op in g.ops:
             run(op, h, 576, splits, "cluster", env)
     if "merge" in g.ops:

@@ -156,21 +156,25 @@ def combine_mode() -> str:
     return mode
 
 
+CLUSTER_PARTS = ("f32", "bf16", "l2")
+
+
 def cluster_knobs():
-    """``(max_cluster, bf16_staging)`` for cluster-merge plans made now:
+    """``(max_cluster, staging)`` for cluster-merge plans made now:
     ``MLA_KERNELS_DECODE_CLUSTER_MAX`` (``16`` default -- a non-portable cluster size --, or 8, 4,
     2: the largest split count merged as a cluster) and ``MLA_KERNELS_DECODE_CLUSTER_PARTS``
-    (``f32`` default, ``bf16``: the partials staged in shared memory rounded to bf16 -- half the
-    DSMEM bytes)."""
+    (``f32`` default: each CTA stages its partial in its shared memory and the peers read it over
+    DSMEM; ``bf16``: the same rounded to bf16 -- half the DSMEM bytes; ``l2``: the float32
+    partials go through the global workspace, the cluster barrier only orders them)."""
     import os
 
     mx = os.environ.get(ENV_CLUSTER_MAX, str(DEFAULT_CLUSTER_MAX)).strip()
     parts = os.environ.get(ENV_CLUSTER_PARTS, "f32").strip()
     if mx not in tuple(str(c) for c in CLUSTER_SIZES):
         raise ValueError(f"{ENV_CLUSTER_MAX}={mx!r}: expected one of 2, 4, 8, 16")
-    if parts not in PARTS_DTYPES:
-        raise ValueError(f"{ENV_CLUSTER_PARTS}={parts!r}: expected one of {', '.join(PARTS_DTYPES)}")
-    return int(mx), parts == "bf16"
+    if parts not in CLUSTER_PARTS:
+        raise ValueError(f"{ENV_CLUSTER_PARTS}={parts!r}: expected one of {', '.join(CLUSTER_PARTS)}")
+    return int(mx), parts
 
 
 def cluster_size_for(plan, mode: str, max_cluster: int) -> int:
@@ -240,17 +244,18 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     mode = combine_mode()
     fused = split and mode == "fused"
     plan.state["fused"] = fused
-    max_cluster, cluster_bf16 = cluster_knobs()
+    max_cluster, staging = cluster_knobs()
     cluster = cluster_size_for(plan, mode, max_cluster)
     plan.state["cluster"] = cluster
     ef = l2_evict_first(plan.h_q)
     parts = "bf16" if split and not fused and not cluster and parts_dtype_name() == "bf16" else "f32"
     kw = dict(l2_prefetch=pf, fused=True) if fused else dict(l2_prefetch=pf)
+    plan.state["cluster_l2"] = bool(cluster) and staging == "l2"
     if cluster:
-        kw.update(cluster=cluster, cluster_bf16=cluster_bf16)
-        parts = f"cluster{cluster}" + ("-bf16" if cluster_bf16 else "")
-        # the partials never leave shared memory: no global workspace
-        plan.out_parts = plan.lse_parts = plan.max_logits_parts = None
+        kw.update(cluster=cluster, cluster_bf16=staging == "bf16", cluster_l2=staging == "l2")
+        parts = f"cluster{cluster}-{staging}"
+        if staging != "l2":  # the partials never leave shared memory: no global workspace
+            plan.out_parts = plan.lse_parts = plan.max_logits_parts = None
     if ef:
         kw["evict_first"] = True
     if parts == "bf16":
@@ -275,7 +280,7 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     st["ml0"] = torch.zeros(1, 1, h, dtype=torch.float32, device=dev)
     st["scale_log2"] = None
     if cluster:
-        pass
+        st["cnt0"] = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused contract's unused counters
     elif fused:
         # the arrival counters of the fused kernel's rows: zero now, reset by the kernel
         rows = T * (1 if plan.h_q in NARROW_HEADS else plan.h_q // 64)
@@ -328,6 +333,18 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
             flags |= F_SINK
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
                      plan.lse_parts, ml, plan.out, plan.lse, ml_f, plan.counters, scale_log2, flags, page_size, tl_b,
+                     tl_s, plan.num_splits, plan.blocks_per_split)
+    elif st["cluster_l2"]:
+        # one launch: float32 parts through L2, each cluster CTA merges a slice of the row's heads
+        ml, ml_f = (plan.max_logits_parts, plan.max_logits) if plan.with_max_logits else (st["ml0"], st["ml0"])
+        if plan.with_max_logits:
+            flags |= F_MAX_LOGITS
+        if attn_sink is None:
+            attn_sink = st["sink0"]
+        else:
+            flags |= F_SINK
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
+                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, st["cnt0"], scale_log2, flags, page_size, tl_b,
                      tl_s, plan.num_splits, plan.blocks_per_split)
     elif st["cluster"]:
         # one launch: the row's clusters merge over DSMEM and write the bf16 output (direct layout)

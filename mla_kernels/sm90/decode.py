@@ -52,7 +52,8 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
     """Static configuration + host launcher + device kernel of the sm90 split decode (h_q % 64 == 0)."""
 
     def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128, fused: bool = False,
-                 evict_first: bool = False, parts_bf16: bool = False, cluster: int = 0, cluster_bf16: bool = False):
+                 evict_first: bool = False, parts_bf16: bool = False, cluster: int = 0, cluster_bf16: bool = False,
+                 cluster_l2: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 decode supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -65,12 +66,17 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # split mode, not fused: bf16 partial outputs (the combine reads half the bytes)
         self.parts_bf16 = parts_bf16 and split and not self.fused
         # split mode: the row's splits run as one cluster of ``cluster`` CTAs and merge over DSMEM
-        # (common/cluster_merge.py); the kernel then writes the bf16 output like direct mode
+        # (common/cluster_merge.py); the kernel then writes the bf16 output like direct mode.
+        # ``cluster_l2``: the partials go through the float32 workspace in global memory (L2) as in
+        # plain split mode, the cluster barrier orders them, and each CTA merges a slice of the
+        # row's heads with the combine's per-row merge (the fused kernel's argument contract)
         if cluster and (not split or fused or parts_bf16 or cluster not in cm.CLUSTER_SIZES):
             raise ValueError(f"cluster merge needs split mode, float32 parts and a size in {cm.CLUSTER_SIZES}")
         self.cluster = cluster if split else 0
-        self.cluster_bf16 = cluster_bf16 and bool(self.cluster)  # the staged partials in bf16
-        self.f32_out = split and not self.parts_bf16 and not self.cluster  # O stored as float32 (else bf16)
+        self.cluster_l2 = cluster_l2 and bool(self.cluster)
+        self.cluster_dsmem = bool(self.cluster) and not self.cluster_l2
+        self.cluster_bf16 = cluster_bf16 and self.cluster_dsmem  # the staged partials in bf16
+        self.f32_out = split and not self.parts_bf16 and not self.cluster_dsmem  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         self.n_k_tiles = d_qk // 64
@@ -137,7 +143,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
-        # the staged partial reuses the Q and KV buffers (contiguous from sQ)
+        # the staged partial reuses the Q and KV buffers (contiguous from sQ; DSMEM staging only)
         assert cm.staged_bytes(B_H, self.d_v, self.cluster_bf16) <= 3 * cute.cosize(sK_layout) * 2
 
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
@@ -270,6 +276,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
                                     self.n_k_tiles)
             if const_expr(self.cluster):
                 cm.cluster_sync(False)  # the partials are staged (the producer wrote none of them)
+            if const_expr(self.cluster_dsmem):
                 cm.cluster_sync(False)  # the peers have read this CTA's smem
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -281,7 +288,15 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
                 k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, split, token, h_blk, num_iters, wg,
                 idx_in_wg, dev.smem_addr_u32(sQ_ptr), dev.smem_addr_u32(storage.sStats.data_ptr()),
             )
-            if const_expr(self.cluster):
+            if const_expr(self.cluster_l2):
+                # every CTA of the row has stored its part (release: MEMBAR.GPU after the stores;
+                # the acquiring wait invalidates L1), then this CTA merges its slice of the heads
+                cm.cluster_sync(True)
+                hp = B_H // self.cluster
+                dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
+                               flags & Int32(dp.F_MAX_LOGITS), token, h_blk * B_H + split * hp, hp, self.d_v, tidx,
+                               256)
+            if const_expr(self.cluster_dsmem):
                 cm.cluster_sync(True)  # every CTA of the row has staged its partial
                 cm.merge_slice(dev.smem_addr_u32(sQ_ptr), dev.smem_addr_u32(storage.sStats.data_ptr()), split,
                                self.cluster, B_H, self.d_v, self.cluster_bf16, tidx, 256, mO, mLse, mML, mSink,
@@ -365,7 +380,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
 
         odd = (lane_quad % 2) == 1
         col0 = wg * (self.d_v // 2) + 4 * (lane_quad // 2)
-        if const_expr(self.cluster):
+        if const_expr(self.cluster_dsmem):
             # the Q / KV buffers are free: both WGs passed BAR_L_READY after their last wgmma
             my_row = Int32(cutlass.select_(odd, row1, row0))
             for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
@@ -408,3 +423,13 @@ class SparseMlaDecodeSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeSm90):
 
     def __init__(self, d_qk: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
         super().__init__(d_qk, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
+
+
+class SparseMlaDecodeSm90ClusterL2(dd.FusedDecodeContract, SparseMlaDecodeSm90):
+    """The split kernel whose row runs as one cluster of ``cluster`` CTAs: each stores its float32
+    part to the workspace (L2), the cluster barrier publishes them, each CTA merges
+    ``64 / cluster`` heads (``MLA_KERNELS_DECODE_CLUSTER_PARTS=l2``).  The fused kernel's
+    contract; its counters argument is an unused placeholder."""
+
+    def __init__(self, d_qk: int, cluster: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, True, d_v, l2_prefetch, evict_first=evict_first, cluster=cluster, cluster_l2=True)
