@@ -303,7 +303,7 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     l2 = combine == "cluster-l2"  # the cluster merge with the partials through the workspace
     combine = "cluster" if l2 else combine
     monkeypatch.setenv(decode_host.ENV_COMBINE, combine)
-    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2" if l2 else "f32")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2" if l2 else "bf16")
     b, s_q, d, topk = 3, 2, 576, 260
     q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=h + num_splits, dtype=torch.bfloat16, num_pages=50,
                                 max_pages=20)
@@ -329,6 +329,7 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     fused = plan.split and combine == "fused"
     # the cluster merge serves the 64-head kernel's split counts 2/4/8/16 (else: the combine kernel)
     cluster = plan.split and combine in ("cluster", "auto") and h % 64 == 0 and plan.num_splits in (2, 4, 8, 16)
+    cluster = cluster and (combine == "cluster" or b * s_q * h // 64 <= decode_host.AUTO_CLUSTER_ROWS)
     assert plan.state["cluster"] == (plan.num_splits if cluster else 0)
     assert (plan.out_parts is None) == ((cluster and not l2) or not plan.split)
     assert plan.state["cluster_l2"] == (cluster and l2)
@@ -389,10 +390,10 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     the combine kernel."""
     for env in (decode_host.ENV_CLUSTER_MAX, decode_host.ENV_CLUSTER_PARTS):
         monkeypatch.delenv(env, raising=False)
-    assert decode_host.cluster_knobs() == (16, "f32")
+    assert decode_host.cluster_knobs() == (16, "bf16")
     monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "8")
-    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "bf16")
-    assert decode_host.cluster_knobs() == (8, "bf16")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "f32")
+    assert decode_host.cluster_knobs() == (8, "f32")
     monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2")
     assert decode_host.cluster_knobs() == (8, "l2")
     monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "12")
@@ -403,11 +404,15 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_PARTS='fp8'"):
         decode_host.cluster_knobs()
 
-    def plan(h, n):
-        return DecodePlan(1, 1, h, 2048, 576, 512, torch.device("cpu"), torch.bfloat16, n, 32 // n)
+    def plan(h, n, b=1, s_q=1):
+        return DecodePlan(b, s_q, h, 2048, 576, 512, torch.device("cpu"), torch.bfloat16, n, 32 // n)
 
     size = decode_host.cluster_size_for
     assert [size(plan(128, n), "auto", 16) for n in (1, 2, 4, 8, 16, 32)] == [0, 2, 4, 8, 16, 0]
+    # auto: at most AUTO_CLUSTER_ROWS (2) rows -- b 1 at h_q 128, b 2 at h_q 64; "cluster" has no limit
+    assert decode_host.AUTO_CLUSTER_ROWS == 2
+    assert [size(plan(64, 16, b), "auto", 16) for b in (1, 2, 3)] == [16, 16, 0]
+    assert size(plan(128, 16, 2, 2), "auto", 16) == 0 and size(plan(128, 16, 2, 2), "cluster", 16) == 16
     assert [size(plan(64, n), "cluster", 8) for n in (8, 16)] == [8, 0]
     assert size(plan(128, 6), "cluster", 16) == 0  # not a cluster size: the combine kernel
     assert size(plan(16, 16), "cluster", 16) == 0  # the narrow kernel has no cluster merge

@@ -138,11 +138,18 @@ ENV_CLUSTER_MAX = "MLA_KERNELS_DECODE_CLUSTER_MAX"
 ENV_CLUSTER_PARTS = "MLA_KERNELS_DECODE_CLUSTER_PARTS"
 CLUSTER_SIZES = (2, 4, 8, 16)
 DEFAULT_CLUSTER_MAX = 16
+#: ``auto`` merges in a cluster only plans of at most this many rows (``b * s_q * h_q / 64``):
+#: measured on an H200 (docs/PERF.md), two clusters of 16 (b 1) gain 3-3.5% of graph time and
+#: one launch of host time; eight clusters of 16 (b 2, s_q 2, h_q 128) lose 36% (they do not all fit
+#: on the GPU at once)
+AUTO_CLUSTER_ROWS = 2
+DEFAULT_CLUSTER_PARTS = "bf16"
 
 
 def combine_mode() -> str:
     """How a split plan merges its parts, read when a plan is made: ``MLA_KERNELS_DECODE_COMBINE``
-    = ``auto`` (default: ``cluster`` where the plan allows it, else ``separate``), ``separate``
+    = ``auto`` (default: ``cluster`` for plans of at most ``AUTO_CLUSTER_ROWS`` rows that it
+    serves, else ``separate``), ``separate``
     (the combine kernel after the decode kernel, two launches), ``fused`` (one launch: the last
     CTA of each row merges it) or ``cluster`` (one launch: the row's split CTAs run as one
     thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; 64-head kernel, split
@@ -163,13 +170,14 @@ def cluster_knobs():
     """``(max_cluster, staging)`` for cluster-merge plans made now:
     ``MLA_KERNELS_DECODE_CLUSTER_MAX`` (``16`` default -- a non-portable cluster size --, or 8, 4,
     2: the largest split count merged as a cluster) and ``MLA_KERNELS_DECODE_CLUSTER_PARTS``
-    (``f32`` default: each CTA stages its partial in its shared memory and the peers read it over
-    DSMEM; ``bf16``: the same rounded to bf16 -- half the DSMEM bytes; ``l2``: the float32
-    partials go through the global workspace, the cluster barrier only orders them)."""
+    (``bf16`` default: each CTA stages its partial, rounded to bf16, in its shared memory and the
+    peers read it over DSMEM; ``f32``: the same unrounded -- twice the DSMEM bytes, 18% slower at
+    b 1 --; ``l2``: the float32 partials go through the global workspace, the cluster barrier only
+    orders them -- 16% slower at b 1; docs/PERF.md)."""
     import os
 
     mx = os.environ.get(ENV_CLUSTER_MAX, str(DEFAULT_CLUSTER_MAX)).strip()
-    parts = os.environ.get(ENV_CLUSTER_PARTS, "f32").strip()
+    parts = os.environ.get(ENV_CLUSTER_PARTS, DEFAULT_CLUSTER_PARTS).strip()
     if mx not in tuple(str(c) for c in CLUSTER_SIZES):
         raise ValueError(f"{ENV_CLUSTER_MAX}={mx!r}: expected one of 2, 4, 8, 16")
     if parts not in CLUSTER_PARTS:
@@ -179,9 +187,12 @@ def cluster_knobs():
 
 def cluster_size_for(plan, mode: str, max_cluster: int) -> int:
     """The cluster size a plan's kernel runs with (0: none): its split count when the combine mode
-    asks for clusters (``cluster`` or ``auto``), the 64-head kernel serves it and the split count
-    is a cluster size no larger than ``max_cluster``."""
+    asks for clusters (``cluster``, or ``auto`` for a plan of at most ``AUTO_CLUSTER_ROWS`` rows),
+    the 64-head kernel serves it and the split count is a cluster size no larger than
+    ``max_cluster``."""
     if mode not in ("cluster", "auto") or plan.num_splits <= 1 or plan.h_q in NARROW_HEADS:
+        return 0
+    if mode == "auto" and plan.b * plan.s_q * (plan.h_q // 64) > AUTO_CLUSTER_ROWS:
         return 0
     n = plan.num_splits
     return n if n in CLUSTER_SIZES and n <= max_cluster else 0
