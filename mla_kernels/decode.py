@@ -22,9 +22,14 @@ graph-capturable without refilling anything): a request whose ``topk_length`` is
 its later splits empty (they exit after writing ``lse = +inf``) instead of rebalancing as
 FlashMLA's scheduler does.  Each split writes a float32 partial (normalised by its own softmax
 sum) and its lse; the lse combine (:mod:`mla_kernels.common.combine`) merges them and applies
-the sink -- as a second kernel (default), or folded into the split kernel
+the sink -- as a second kernel, or folded into the split kernel
 (``MLA_KERNELS_DECODE_COMBINE=fused``: the last CTA of a row to finish merges that row, counted
-in the plan's ``counters``; :mod:`mla_kernels.common.decode_device`).  ``num_splits`` can be forced per plan.
+in the plan's ``counters``; :mod:`mla_kernels.common.decode_device`), or -- the default for
+plans of at most two 64-head rows (b 1 at h_q 128), ``cluster`` on request for any 64-head
+plan with 2/4/8/16 splits -- inside the split kernel by a thread-block cluster per row whose CTAs
+stage their partials in shared memory and each merge a slice of the heads over DSMEM
+(:mod:`mla_kernels.common.cluster_merge`; no float32 workspace then, ``out_parts`` is None).
+``num_splits`` can be forced per plan.
 
 Outputs live in the plan: a call returns views of the plan's ``out`` and ``lse`` buffers, which
 the next call with the same plan overwrites (clone them to keep a step's result).

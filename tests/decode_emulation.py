@@ -19,12 +19,16 @@ class Calls:
         self.log = []
 
 
-def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bool = False):
+def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bool = False, cluster: int = 0,
+                       cluster_bf16: bool = False, cluster_l2: bool = False):
+    if cluster_l2:  # the fused kernel's contract: parts through the workspace, merged by the cluster
+        fused = True
     def fn(q, bias, kv4, idx, bt, tl, sink, out, lse, ml, *rest):
         if fused:  # the merged outputs and the arrival counters come after max_logits
             out_f, lse_f, ml_f, cnt, *rest = rest
         scale_log2, flags, page_size, tl_b, tl_s, n_splits, bps = rest
-        calls.log.append(("decode", d_qk, h_q, split, flags, n_splits, bps, tl_b, tl_s) + (("fused",) if fused else ()))
+        tag = (f"cluster{cluster}",) if cluster else (("fused",) if fused else ())
+        calls.log.append(("decode", d_qk, h_q, split, flags, n_splits, bps, tl_b, tl_s) + tag)
         b, s_q, h, d = q.shape
         assert (h, d) == (h_q, d_qk) and q.dtype == torch.bfloat16 and q.is_contiguous()
         assert kv4.dim() == 4 and kv4.shape[2] == 1 and kv4.shape[3] == d and page_size == kv4.shape[1]
@@ -35,7 +39,11 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bo
         assert lse.dim() == 3 and lse.shape[2] == h and ml.dim() == 3 and ml.shape[2] == h
         T = b * s_q
         topk = idx.shape[2]
-        if split:
+        if cluster and not cluster_l2:  # the row's CTAs merge over DSMEM and write the direct mode's outputs
+            assert split and n_splits == cluster and h % 64 == 0
+            assert out.shape == (b, s_q, h, 512) and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
+            assert not (flags & dh.F_SINK) or sink.shape == (h,)
+        elif split:
             assert out.shape == (n_splits, T, h, 512) and out.dtype == torch.float32
             assert lse.shape == (n_splits, T, h)
         else:
@@ -54,14 +62,25 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bo
         sm_scale = scale_log2 / math.log2(math.e)
         outs, lses, mls = ref.decode_split_partials_ref(qe, kv4, idx, sm_scale, 512, n_splits, bps, tl_tok,
                                                         block_table)
-        if split:
+        if cluster:
+            parts = outs.reshape(n_splits, T, h, 512)
+            if cluster_bf16:  # the staged partials are rounded to bf16
+                parts = parts.to(torch.bfloat16).float()
+            o, l_ = ref.merge_attn_partials_ref(parts, lses.reshape(n_splits, T, h),
+                                                sink if flags & dh.F_SINK else None, torch.bfloat16)
+            out.copy_(o.reshape(b, s_q, h, 512))
+            lse.copy_(l_.reshape(b, s_q, h))
+            if flags & dh.F_MAX_LOGITS:
+                ml.copy_(mls.reshape(n_splits, b, s_q, h).amax(0))
+        elif split:
             out.copy_(outs.reshape(n_splits, T, h, 512))
             lse.copy_(lses.reshape(n_splits, T, h))
             if flags & dh.F_MAX_LOGITS:
                 ml.copy_(mls.reshape(n_splits, T, h))
-            if fused:  # the last CTA's merge; the counters are zero before and after
+            if fused:  # the last CTA's merge (or the cluster's); the counters are zero before and after
                 assert cnt.dtype == torch.int32 and cnt.dim() == 1 and bool((cnt == 0).all())
-                assert cnt.numel() == T * (1 if h <= 32 else h // 64)
+                assert cnt.numel() == (1 if cluster_l2 else T * (1 if h <= 32 else h // 64))
+                assert not cluster_l2 or (n_splits == cluster and h % 64 == 0)
                 assert out_f.shape == (b, s_q, h, 512) and out_f.dtype == torch.bfloat16
                 o, l_ = ref.merge_attn_partials_ref(out.reshape(n_splits, T, h, 512), lse.reshape(n_splits, T, h),
                                                     sink if flags & dh.F_SINK else None, torch.bfloat16)
@@ -100,7 +119,10 @@ def make_combine(d_v: int, in_dtype: str, out_dtype: str, calls: Calls):
 def emulated_compilers(calls: Calls):
     """``(compile_wide, compile_narrow, compile_combine)`` as ``prepare_decode`` takes them."""
     return (
-        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False))),
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False),
+                                                                       kw.get("cluster", 0),
+                                                                       kw.get("cluster_bf16", False),
+                                                                       kw.get("cluster_l2", False))),
         lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False))),
         lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
     )

@@ -295,10 +295,15 @@ def emulated_sm90(monkeypatch):
 
 
 @pytest.mark.parametrize("h,num_splits,combine", [(16, 1, "separate"), (16, 3, "separate"), (128, 1, "separate"),
-                                                  (64, 4, "separate"), (16, 3, "fused"), (128, 2, "fused")])
+                                                  (64, 4, "separate"), (16, 3, "fused"), (128, 2, "fused"),
+                                                  (128, 4, "cluster"), (64, 2, "auto"), (64, 3, "cluster"),
+                                                  (16, 2, "cluster"), (128, 4, "cluster-l2")])
 @pytest.mark.parametrize("opts", ["none", "all", "bt_tl2"])
 def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, combine, opts, monkeypatch):
+    l2 = combine == "cluster-l2"  # the cluster merge with the partials through the workspace
+    combine = "cluster" if l2 else combine
     monkeypatch.setenv(decode_host.ENV_COMBINE, combine)
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2" if l2 else "bf16")
     b, s_q, d, topk = 3, 2, 576, 260
     q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=h + num_splits, dtype=torch.bfloat16, num_pages=50,
                                 max_pages=20)
@@ -322,17 +327,25 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     out, lse, ml = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, tl, sink, q_bias=bias, plan=plan, **kw)
     kinds = [c[0] for c in emulated_sm90.calls.log]
     fused = plan.split and combine == "fused"
-    assert kinds == (["decode", "combine"] if plan.split and not fused else ["decode"])
+    # the cluster merge serves the 64-head kernel's split counts 2/4/8/16 (else: the combine kernel)
+    cluster = plan.split and combine in ("cluster", "auto") and h % 64 == 0 and plan.num_splits in (2, 4, 8, 16)
+    cluster = cluster and (combine == "cluster" or b * s_q * h // 64 <= decode_host.AUTO_CLUSTER_ROWS)
+    assert plan.state["cluster"] == (plan.num_splits if cluster else 0)
+    assert (plan.out_parts is None) == ((cluster and not l2) or not plan.split)
+    assert plan.state["cluster_l2"] == (cluster and l2)
+    one_launch = fused or cluster or not plan.split
+    assert kinds == (["decode"] if one_launch else ["decode", "combine"])
     assert (emulated_sm90.calls.log[0][-1] == "fused") == fused
+    assert (emulated_sm90.calls.log[0][-1] == f"cluster{plan.num_splits}") == cluster
     assert (plan.counters is not None) == fused
     flags = emulated_sm90.calls.log[0][4]
     assert bool(flags & decode_host.F_BLOCK_TABLE) == ("block_table" in kw)
     assert bool(flags & decode_host.F_TOPK_LENGTH) == (tl is not None)
     assert bool(flags & decode_host.F_BIAS) == (bias is not None)
     # the sink goes to the kernel that writes the merged output: the combine's in split mode
-    assert bool(flags & decode_host.F_SINK) == (sink is not None and (fused or not plan.split))
+    assert bool(flags & decode_host.F_SINK) == (sink is not None and one_launch)
     assert flags & decode_host.F_MAX_LOGITS
-    if plan.split and not fused:
+    if not one_launch:
         assert emulated_sm90.calls.log[1][-1] == (1 if sink is not None else 0)
     qr = q.float()
     if bias is not None:
@@ -369,6 +382,41 @@ def test_decode_knobs(monkeypatch):
     monkeypatch.setenv(decode_host.ENV_L2_POLICY, "normal")
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_L2_POLICY='normal'"):
         decode_host.l2_evict_first(16)
+
+
+def test_cluster_knobs_and_size_rule(monkeypatch):
+    """The cluster merge (one launch, the splits of a row merged over DSMEM) serves the 64-head
+    kernel's split counts 2/4/8/16 up to MLA_KERNELS_DECODE_CLUSTER_MAX; every other plan keeps
+    the combine kernel."""
+    for env in (decode_host.ENV_CLUSTER_MAX, decode_host.ENV_CLUSTER_PARTS):
+        monkeypatch.delenv(env, raising=False)
+    assert decode_host.cluster_knobs() == (16, "bf16")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "8")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "f32")
+    assert decode_host.cluster_knobs() == (8, "f32")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2")
+    assert decode_host.cluster_knobs() == (8, "l2")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "12")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_MAX='12'"):
+        decode_host.cluster_knobs()
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "16")
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "fp8")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_PARTS='fp8'"):
+        decode_host.cluster_knobs()
+
+    def plan(h, n, b=1, s_q=1):
+        return DecodePlan(b, s_q, h, 2048, 576, 512, torch.device("cpu"), torch.bfloat16, n, 32 // n)
+
+    size = decode_host.cluster_size_for
+    assert [size(plan(128, n), "auto", 16) for n in (1, 2, 4, 8, 16, 32)] == [0, 2, 4, 8, 16, 0]
+    # auto: at most AUTO_CLUSTER_ROWS (2) rows -- b 1 at h_q 128, b 2 at h_q 64; "cluster" has no limit
+    assert decode_host.AUTO_CLUSTER_ROWS == 2
+    assert [size(plan(64, 16, b), "auto", 16) for b in (1, 2, 3)] == [16, 16, 0]
+    assert size(plan(128, 16, 2, 2), "auto", 16) == 0 and size(plan(128, 16, 2, 2), "cluster", 16) == 16
+    assert [size(plan(64, n), "cluster", 8) for n in (8, 16)] == [8, 0]
+    assert size(plan(128, 6), "cluster", 16) == 0  # not a cluster size: the combine kernel
+    assert size(plan(16, 16), "cluster", 16) == 0  # the narrow kernel has no cluster merge
+    assert size(plan(128, 16), "separate", 16) == 0 and size(plan(128, 16), "fused", 16) == 0
 
 
 def test_sm90_supports_decode_configs():

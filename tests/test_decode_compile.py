@@ -10,7 +10,8 @@ from conftest import compile_report_module
 pytestmark = pytest.mark.compile
 SMEM_LIMIT = 232448
 NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
-         "sm90_decode_narrow_d576_h8_fused"}
+         "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
+         "sm90_decode_d576_h128_cluster16_l2"}
 
 
 def q_chunks(h: int, d_qk: int = 576) -> int:
@@ -75,3 +76,29 @@ def test_fused_tail(report):
     assert sum(v for k, v in sass.items() if k.startswith("BAR.RED")) == 1
     assert sass.get("LDG.E.128", 0) >= 1
     assert sass.get("HGMMA.64x8x16.F32.BF16", 0) == 2 * (36 + 32) and base.get("LDGSTS", 0) == 72 + q_chunks(8)
+
+
+def test_cluster_merge(report):
+    """The split kernel whose 16 split CTAs of a row run as one cluster and merge over DSMEM
+    (MLA_KERNELS_DECODE_COMBINE=cluster/auto): the decode itself unchanged, the partial staged in
+    shared memory (16-byte stores), two cluster barriers on each warp role's path, 16 peers x 2
+    16-byte DSMEM loads per merging thread, and no float32 partial rows in global memory."""
+    r = report["sm90_decode_d576_h128_cluster16"]
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT
+    sass, base = _common(r)
+    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
+    assert base.get("LDGSTS", 0) == 72 + q_chunks(64)
+    assert sass.get("UCGABAR_ARV", 0) == 4 and sass.get("UCGABAR_WAIT", 0) == 4
+    assert sass.get("STS.128", 0) >= 32  # the staged partial rows
+    assert sass.get("LD.E.128", 0) == 32  # ld.shared::cluster of the peers' rows
+    assert sass.get("STG.E.128", 0) == 0  # no float32 parts; the merged bf16 columns are 8-byte stores
+
+
+def test_cluster_merge_through_l2(report):
+    """MLA_KERNELS_DECODE_CLUSTER_PARTS=l2: the float32 parts go to the workspace as in split mode
+    (16-byte stores), one cluster barrier (release: one MEMBAR.GPU), no DSMEM loads; each CTA
+    merges its slice with the combine's 16-byte part loads."""
+    sass, base = _common(report["sm90_decode_d576_h128_cluster16_l2"])
+    assert sass.get("STG.E.128", 0) >= 32 and sass.get("LD.E.128", 0) == 0
+    assert sass.get("UCGABAR_ARV", 0) == 2 and sass.get("UCGABAR_WAIT", 0) == 2 and sass.get("MEMBAR.ALL.GPU", 0) == 1
+    assert sass.get("LDG.E.128", 0) >= 36 + 16

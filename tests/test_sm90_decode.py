@@ -141,12 +141,75 @@ def test_decode_every_option_split(h, b, s_q, topk, combine, monkeypatch):
             assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
 
 
+@pytest.mark.parametrize("h,b,s_q,topk,d,parts,n_want", [
+    (128, 1, 1, 2048, 576, "f32", 16),  # b 1: two clusters of 16 (a non-portable size)
+    (64, 1, 1, 2048, 576, "f32", 16),
+    (128, 2, 2, 2048, 576, "f32", 16),  # eight clusters of 16
+    (128, 3, 2, 512, 576, "f32", 4),
+    (128, 2, 1, 512, 512, "f32", 4),  # d_qk 512
+    (128, 1, 1, 2048, 576, "bf16", 16),  # the staged partials in bf16
+    (64, 3, 2, 512, 576, "bf16", 4),
+    (128, 1, 1, 2048, 576, "l2", 16),  # the float32 parts through L2, the cluster merges them
+    (128, 2, 2, 2048, 576, "l2", 16),
+    (64, 3, 2, 512, 512, "l2", 4),
+])
+def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
+    """MLA_KERNELS_DECODE_COMBINE=cluster: the split CTAs of a row run as one cluster and merge
+    over DSMEM (one launch, no float32 workspace); every option, empty rows and empty later
+    splits (topk_length), poisoned outputs, bitwise-equal repeats."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "cluster")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
+    c = dcase(b, s_q, h, topk, d=d, tl="b", sink=True, bias=True, seed=17 + h + b + d)
+    plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True)
+    assert plan.num_splits == n_want and plan.state["cluster"] == n_want
+    assert (plan.out_parts is None) == (parts != "l2") and plan.state["cluster_l2"] == (parts == "l2")
+    first = None
+    for rep in range(2):
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
+        if first is None:
+            first = (out.clone(), lse.clone())
+        else:  # each slice merges the peers in split order: the same bits every time
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+    # the cluster merge and the combine kernel agree to bf16 rounding (float32 staging: the same
+    # weights and order, so nearly bitwise)
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
+    sep = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True)
+    o2, l2, _ = run(c, plan=sep)
+    assert rel_l2(o2.float(), first[0].float()) < (1e-2 if parts == "bf16" else 2e-3)
+    if parts == "l2":  # the same parts merged by the same per-row code, in the same order
+        assert torch.equal(o2, first[0]) and torch.equal(l2, first[1])
+    fin = torch.isfinite(l2)
+    assert torch.equal(fin, torch.isfinite(first[1]))
+    assert ((l2[fin] - first[1][fin]).abs() <= 1e-5 * l2[fin].abs().clamp_min(1)).all()
+
+
+@pytest.mark.parametrize("h,num_splits,parts", [(128, 2, "f32"), (64, 8, "f32"), (128, 8, "f32"), (128, 8, "l2"),
+                                                (64, 2, "l2")])
+def test_decode_cluster_forced_splits(h, num_splits, parts, monkeypatch):
+    # forced cluster sizes 2 and 8 (MLA_KERNELS_DECODE_CLUSTER_MAX=8), topk 200 (later splits
+    # empty, a partial last block)
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "cluster")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_MAX", "8")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
+    for topk in (2048, 200):
+        c = dcase(2, 1, h, topk, tl="b", sink=True, seed=topk + h + num_splits)
+        plan = mk.decode_plan(2, 1, h, topk, device="cuda", num_splits=num_splits)
+        assert plan.state["cluster"] == plan.num_splits
+        out, lse, sc = run(c, plan=plan)
+        check(out, lse, want_of(c, sc), c)
+
+
 @pytest.mark.parametrize("h", [16, 128])
 @pytest.mark.parametrize("b,s_q,topk", [(1, 1, 2048), (3, 2, 512)])
 def test_decode_bf16_parts(h, b, s_q, topk, monkeypatch):
     # MLA_KERNELS_DECODE_PARTS=bf16: the split kernels write bf16 partials, the combine reads them
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     monkeypatch.setenv("MLA_KERNELS_DECODE_PARTS", "bf16")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
     c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=5 + h + b)
     plan = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True)
     assert plan.num_splits > 1 and plan.out_parts.dtype == torch.bfloat16
@@ -215,7 +278,7 @@ def test_decode_unit_scale_values(monkeypatch):
     check(out, lse, want_of(c, sc), c, abs_tol=8e-3)
 
 
-@pytest.mark.parametrize("combine,h", [("separate", 128), ("fused", 128), ("fused", 16)])
+@pytest.mark.parametrize("combine,h", [("separate", 128), ("fused", 128), ("fused", 16), ("cluster", 128)])
 def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
     """A planned step captured in a CUDA graph, replayed with new q / indices / topk_length /
     block_table contents; split and unsplit plans agree to bf16 rounding."""
@@ -243,6 +306,7 @@ def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
         g_out, g_lse = call()
     graph.replay()
     torch.cuda.synchronize()
+    assert plan.state["cluster"] == (16 if combine == "cluster" else 0)
     assert rel_l2(g_out.float(), o1.float()) < 1e-2  # split vs unsplit
     fin = torch.isfinite(l1)
     assert torch.equal(fin, torch.isfinite(g_lse))

@@ -286,7 +286,8 @@ def rows(args):
                    us=med, ms=med / 1e3, min_us=min(times), max_us=max(times), reps=reps,
                    tflops=flops(b, s_q, h_q, topk) / (med * 1e-6) / 1e12,
                    gbps=gathered_bytes(b, s_q, topk) / (med * 1e-6) / 1e9, host_us=host, host_launch_us=host_be,
-                   block_table=not physical, knobs=knobs, graph_us=graph_us)
+                   block_table=not physical, knobs=knobs, graph_us=graph_us,
+                   cluster=plan.state.get("cluster", 0))
         if hbm:
             row["hbm_pct"] = 100.0 * gathered_bytes(b, s_q, topk) / (med * 1e-6) / hbm
         if not cpu and h_q % 64 == 0 and not getattr(args, "no_fwd", False):
@@ -306,7 +307,7 @@ def rows(args):
             host_txt += f"  graph {graph_us:7.1f} us"
         fwd_txt = f"  prefill fwd {row['fwd_us']:8.1f} us" if "fwd_us" in row else ""
         print(f"  {row['shape']:<20} {med:9.1f} us  {row['tflops']:7.1f} TFLOPS  {row['gbps']:7.0f} GB/s{hbm_txt}"
-              f"  splits {plan.num_splits:3d}{host_txt}{fwd_txt}", flush=True)
+              f"  splits {plan.num_splits:3d}{' (cluster)' if row['cluster'] else ''}{host_txt}{fwd_txt}", flush=True)
         del sets, plan
     # the padded path for h_q < 64: the h_q 64 row of the same batch
     for r in out_rows:
@@ -330,18 +331,24 @@ def rows(args):
 def print_table(rs):
     hdr = (f"{'shape':<24} {'us':>8} {'graph':>7} {'TFLOPS':>7} {'GB/s':>6} {'%HBM':>5} {'splits':>6} "
            f"{'host us':>7} {'launch':>6} {'fwd us':>8} {'padded':>7} {'FlashMLA us':>11}")
-    print(hdr)
+    print(hdr + "   (splits: 'c' = merged in a cluster over DSMEM)")
     print("-" * len(hdr))
     f = lambda v, w, p=1: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'--':>{w}}"
     for r in rs:
         print(f"{r['shape']:<24} {f(r['us'], 8)} {f(r.get('graph_us'), 7)} {f(r['tflops'], 7)} {f(r['gbps'], 6, 0)} {f(r.get('hbm_pct'), 5)} "
-              f"{r['num_splits']:>6} {f(r.get('host_us'), 7)} {f(r.get('host_launch_us'), 6)} {f(r.get('fwd_us'), 8)} "
+              f"{str(r['num_splits']) + ('c' if r.get('cluster') else ''):>6} {f(r.get('host_us'), 7)} {f(r.get('host_launch_us'), 6)} {f(r.get('fwd_us'), 8)} "
               f"{f(r.get('x_vs_padded'), 7, 2)} {f(r.get('flashmla_us'), 11)}")
 
 
 SMALL = "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h64,b1-sq1-h32,b1-sq1-h16"
 AB_VARIANTS = [
     # (label, env, cases, options)
+    ("separate", {"MLA_KERNELS_DECODE_COMBINE": "separate"}, SMALL, {}),
+    ("cluster", {"MLA_KERNELS_DECODE_COMBINE": "cluster"}, SMALL, {}),
+    ("cluster-bf16", {"MLA_KERNELS_DECODE_COMBINE": "cluster", "MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"}, SMALL, {}),
+    ("cluster-splits-8", {"MLA_KERNELS_DECODE_COMBINE": "cluster"}, "v32-b1-sq1-h128,v32-b2-sq2-h128,b1-sq1-h64",
+     {"num_splits": 8}),
+    ("cluster-l2", {"MLA_KERNELS_DECODE_COMBINE": "cluster", "MLA_KERNELS_DECODE_CLUSTER_PARTS": "l2"}, SMALL, {}),
     ("fused", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, SMALL, {}),
     ("fused-splits-4", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
     ("fused-splits-8", {"MLA_KERNELS_DECODE_COMBINE": "fused"}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 8}),

@@ -72,10 +72,12 @@ GROUPS = (
     Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
     # the decode path (paged cache, block table, q_bias, split-top-k + lse combine, one-split
     # direct bf16 output, heads on the MMA's N side for h_q <= 32, the combine fused into the split
-    # kernel: the last CTA merges) and merge_attn_partials
+    # kernel: the last CTA merges; the split CTAs of a row as one cluster merging over DSMEM, float32
+    # and bf16 staging) and merge_attn_partials
     Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_narrow_split_h16",
                                              "decode_narrow_direct_h32_d512", "decode_fused_h128",
-                                             "decode_narrow_fused_h16", "merge")),
+                                             "decode_narrow_fused_h16", "decode_cluster4_h128",
+                                             "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 
@@ -276,22 +278,24 @@ def _decode_steps(g: Group, step, dev) -> None:
         bias = (torch.randn(b, h, d_qk, generator=gen) * 0.05).to(torch.bfloat16)
         return cache, q, bt, idx, tl, sink, bias
 
-    def run(op, h, d_qk, splits, combine="separate"):
+    def run(op, h, d_qk, splits, combine="separate", env=None):
         cache, q, bt, idx, tl, sink, bias = case(h, d_qk)
         scale = d_qk ** -0.5
         w_out, w_lse = ref.sparse_mla_decode_ref(q.float(), cache.float(), idx, scale, 512, tl, sink, bt, bias)
         to = lambda t: t.to(dev) if t is not None else None  # noqa: E731
 
         def call():
-            saved = os.environ.get(ENV_COMBINE)
-            os.environ[ENV_COMBINE] = combine  # read when the plan is made
+            knobs = {ENV_COMBINE: combine, **(env or {})}  # read when the plan is made
+            saved = {k: os.environ.get(k) for k in knobs}
+            os.environ.update(knobs)
             try:
                 plan = mk.decode_plan(b, s_q, h, topk, d_qk=d_qk, device=dev, num_splits=splits)
             finally:
-                if saved is None:
-                    os.environ.pop(ENV_COMBINE)
-                else:
-                    os.environ[ENV_COMBINE] = saved
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k)
+                    else:
+                        os.environ[k] = v
             return mk.sparse_mla_decode(to(q), to(cache), to(idx), scale, 512, to(tl), to(sink),
                                         block_table=to(bt), q_bias=to(bias), plan=plan)
 
@@ -305,6 +309,11 @@ def _decode_steps(g: Group, step, dev) -> None:
     for op, h, splits in (("decode_fused_h128", 128, 3), ("decode_narrow_fused_h16", 16, 4)):
         if op in g.ops:
             run(op, h, 576, splits, "fused")
+    for op, h, splits, env in (("decode_cluster4_h128", 128, 4, {}),
+                               ("decode_cluster2_h64_bf16", 64, 2, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"}),
+                               ("decode_cluster4_h128_l2", 128, 4, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "l2"})):
+        if op in g.ops:
+            run(op, h, 576, splits, "cluster", env)
     if "merge" in g.ops:
         n, rows, h = 3, 37, 128
         outs = torch.randn(n, rows, h, 512, generator=gen)

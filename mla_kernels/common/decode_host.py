@@ -132,21 +132,70 @@ ENV_L2_POLICY = "MLA_KERNELS_DECODE_L2_POLICY"
 ENV_PARTS = "MLA_KERNELS_DECODE_PARTS"
 PARTS_DTYPES = ("f32", "bf16")
 DEFAULT_PARTS = "f32"
-COMBINE_MODES = ("separate", "fused")
-DEFAULT_COMBINE = "separate"
+COMBINE_MODES = ("auto", "separate", "fused", "cluster")
+DEFAULT_COMBINE = "auto"
+ENV_CLUSTER_MAX = "MLA_KERNELS_DECODE_CLUSTER_MAX"
+ENV_CLUSTER_PARTS = "MLA_KERNELS_DECODE_CLUSTER_PARTS"
+CLUSTER_SIZES = (2, 4, 8, 16)
+DEFAULT_CLUSTER_MAX = 16
+#: ``auto`` merges in a cluster only plans of at most this many rows (``b * s_q * h_q / 64``):
+#: measured on an H200 (docs/PERF.md), two clusters of 16 (b 1) gain 3-3.5% of graph time and
+#: one launch of host time; eight clusters of 16 (b 2, s_q 2, h_q 128) lose 36% (they do not all fit
+#: on the GPU at once)
+AUTO_CLUSTER_ROWS = 2
+DEFAULT_CLUSTER_PARTS = "bf16"
 
 
 def combine_mode() -> str:
     """How a split plan merges its parts, read when a plan is made: ``MLA_KERNELS_DECODE_COMBINE``
-    = ``separate`` (default: the combine kernel after the decode kernel, two launches) or
-    ``fused`` (one launch: the last CTA of each row merges it; see docs/PERF.md for which
-    measures faster)."""
+    = ``auto`` (default: ``cluster`` for plans of at most ``AUTO_CLUSTER_ROWS`` rows that it
+    serves, else ``separate``), ``separate``
+    (the combine kernel after the decode kernel, two launches), ``fused`` (one launch: the last
+    CTA of each row merges it) or ``cluster`` (one launch: the row's split CTAs run as one
+    thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; 64-head kernel, split
+    counts 2/4/8/16 only -- other plans fall back to ``separate``).  docs/PERF.md says which
+    measures faster."""
     import os
 
     mode = os.environ.get(ENV_COMBINE, DEFAULT_COMBINE).strip()
     if mode not in COMBINE_MODES:
         raise ValueError(f"{ENV_COMBINE}={mode!r}: expected one of {', '.join(COMBINE_MODES)}")
     return mode
+
+
+CLUSTER_PARTS = ("f32", "bf16", "l2")
+
+
+def cluster_knobs():
+    """``(max_cluster, staging)`` for cluster-merge plans made now:
+    ``MLA_KERNELS_DECODE_CLUSTER_MAX`` (``16`` default -- a non-portable cluster size --, or 8, 4,
+    2: the largest split count merged as a cluster) and ``MLA_KERNELS_DECODE_CLUSTER_PARTS``
+    (``bf16`` default: each CTA stages its partial, rounded to bf16, in its shared memory and the
+    peers read it over DSMEM; ``f32``: the same unrounded -- twice the DSMEM bytes, 18% slower at
+    b 1 --; ``l2``: the float32 partials go through the global workspace, the cluster barrier only
+    orders them -- 16% slower at b 1; docs/PERF.md)."""
+    import os
+
+    mx = os.environ.get(ENV_CLUSTER_MAX, str(DEFAULT_CLUSTER_MAX)).strip()
+    parts = os.environ.get(ENV_CLUSTER_PARTS, DEFAULT_CLUSTER_PARTS).strip()
+    if mx not in tuple(str(c) for c in CLUSTER_SIZES):
+        raise ValueError(f"{ENV_CLUSTER_MAX}={mx!r}: expected one of 2, 4, 8, 16")
+    if parts not in CLUSTER_PARTS:
+        raise ValueError(f"{ENV_CLUSTER_PARTS}={parts!r}: expected one of {', '.join(CLUSTER_PARTS)}")
+    return int(mx), parts
+
+
+def cluster_size_for(plan, mode: str, max_cluster: int) -> int:
+    """The cluster size a plan's kernel runs with (0: none): its split count when the combine mode
+    asks for clusters (``cluster``, or ``auto`` for a plan of at most ``AUTO_CLUSTER_ROWS`` rows),
+    the 64-head kernel serves it and the split count is a cluster size no larger than
+    ``max_cluster``."""
+    if mode not in ("cluster", "auto") or plan.num_splits <= 1 or plan.h_q in NARROW_HEADS:
+        return 0
+    if mode == "auto" and plan.b * plan.s_q * (plan.h_q // 64) > AUTO_CLUSTER_ROWS:
+        return 0
+    n = plan.num_splits
+    return n if n in CLUSTER_SIZES and n <= max_cluster else 0
 
 
 def parts_dtype_name() -> str:
@@ -203,11 +252,21 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     arch = _compile.arch_for_device(plan.device)
     split = plan.num_splits > 1
     pdl, pf = decode_knobs()
-    fused = split and combine_mode() == "fused"
+    mode = combine_mode()
+    fused = split and mode == "fused"
     plan.state["fused"] = fused
+    max_cluster, staging = cluster_knobs()
+    cluster = cluster_size_for(plan, mode, max_cluster)
+    plan.state["cluster"] = cluster
     ef = l2_evict_first(plan.h_q)
-    parts = "bf16" if split and not fused and parts_dtype_name() == "bf16" else "f32"
+    parts = "bf16" if split and not fused and not cluster and parts_dtype_name() == "bf16" else "f32"
     kw = dict(l2_prefetch=pf, fused=True) if fused else dict(l2_prefetch=pf)
+    plan.state["cluster_l2"] = bool(cluster) and staging == "l2"
+    if cluster:
+        kw.update(cluster=cluster, cluster_bf16=staging == "bf16", cluster_l2=staging == "l2")
+        parts = f"cluster{cluster}-{staging}"
+        if staging != "l2":  # the partials never leave shared memory: no global workspace
+            plan.out_parts = plan.lse_parts = plan.max_logits_parts = None
     if ef:
         kw["evict_first"] = True
     if parts == "bf16":
@@ -231,7 +290,9 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     st["sink0"] = torch.zeros(1, dtype=torch.float32, device=dev)
     st["ml0"] = torch.zeros(1, 1, h, dtype=torch.float32, device=dev)
     st["scale_log2"] = None
-    if fused:
+    if cluster:
+        st["cnt0"] = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused contract's unused counters
+    elif fused:
         # the arrival counters of the fused kernel's rows: zero now, reset by the kernel
         rows = T * (1 if plan.h_q in NARROW_HEADS else plan.h_q // 64)
         plan.counters = torch.zeros(rows, dtype=torch.int32, device=dev)
@@ -284,6 +345,29 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
                      plan.lse_parts, ml, plan.out, plan.lse, ml_f, plan.counters, scale_log2, flags, page_size, tl_b,
                      tl_s, plan.num_splits, plan.blocks_per_split)
+    elif st["cluster_l2"]:
+        # one launch: float32 parts through L2, each cluster CTA merges a slice of the row's heads
+        ml, ml_f = (plan.max_logits_parts, plan.max_logits) if plan.with_max_logits else (st["ml0"], st["ml0"])
+        if plan.with_max_logits:
+            flags |= F_MAX_LOGITS
+        if attn_sink is None:
+            attn_sink = st["sink0"]
+        else:
+            flags |= F_SINK
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
+                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, st["cnt0"], scale_log2, flags, page_size, tl_b,
+                     tl_s, plan.num_splits, plan.blocks_per_split)
+    elif st["cluster"]:
+        # one launch: the row's clusters merge over DSMEM and write the bf16 output (direct layout)
+        ml = plan.max_logits if plan.with_max_logits else st["ml0"]
+        if plan.with_max_logits:
+            flags |= F_MAX_LOGITS
+        if attn_sink is None:
+            attn_sink = st["sink0"]
+        else:
+            flags |= F_SINK
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out, plan.lse, ml,
+                     scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits, plan.blocks_per_split)
     elif plan.num_splits > 1:
         ml = plan.max_logits_parts if plan.with_max_logits else st["ml0"]
         if plan.with_max_logits:

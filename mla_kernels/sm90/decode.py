@@ -32,6 +32,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from ..common import cluster_merge as cm
 from ..common import decode_device as dd
 from ..common import decode_parts as dp
 from ..common import device as dev
@@ -51,7 +52,8 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
     """Static configuration + host launcher + device kernel of the sm90 split decode (h_q % 64 == 0)."""
 
     def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128, fused: bool = False,
-                 evict_first: bool = False, parts_bf16: bool = False):
+                 evict_first: bool = False, parts_bf16: bool = False, cluster: int = 0, cluster_bf16: bool = False,
+                 cluster_l2: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 decode supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -63,7 +65,18 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         self.fused = fused and split
         # split mode, not fused: bf16 partial outputs (the combine reads half the bytes)
         self.parts_bf16 = parts_bf16 and split and not self.fused
-        self.f32_out = split and not self.parts_bf16  # O stored as float32 (else bf16)
+        # split mode: the row's splits run as one cluster of ``cluster`` CTAs and merge over DSMEM
+        # (common/cluster_merge.py); the kernel then writes the bf16 output like direct mode.
+        # ``cluster_l2``: the partials go through the float32 workspace in global memory (L2) as in
+        # plain split mode, the cluster barrier orders them, and each CTA merges a slice of the
+        # row's heads with the combine's per-row merge (the fused kernel's argument contract)
+        if cluster and (not split or fused or parts_bf16 or cluster not in cm.CLUSTER_SIZES):
+            raise ValueError(f"cluster merge needs split mode, float32 parts and a size in {cm.CLUSTER_SIZES}")
+        self.cluster = cluster if split else 0
+        self.cluster_l2 = cluster_l2 and bool(self.cluster)
+        self.cluster_dsmem = bool(self.cluster) and not self.cluster_l2
+        self.cluster_bf16 = cluster_bf16 and self.cluster_dsmem  # the staged partials in bf16
+        self.f32_out = split and not self.parts_bf16 and not self.cluster_dsmem  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         self.n_k_tiles = d_qk // 64
@@ -125,26 +138,31 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             sM0: cute.struct.MemRange[Float32, B_H]  # written by WG0 only
             sM1: cute.struct.MemRange[Float32, B_H]  # written by WG1 only
             sL: cute.struct.MemRange[Float32, 2 * B_H]
+            # cluster merge: this CTA's staged lse (64) and max logits (64)
+            sStats: cute.struct.MemRange[Float32, 2 * B_H if self.cluster else 1]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
+        # the staged partial reuses the Q and KV buffers (contiguous from sQ; DSMEM staging only)
+        assert cm.staged_bytes(B_H, self.d_v, self.cluster_bf16) <= 3 * cute.cosize(sK_layout) * 2
 
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         n_tok = b * s_q
         # flattened views: the cache as [rows, d_qk], the indices as [tokens, topk]
         mKV2, mIdx2 = dd.flat_views(mKV, mIdx, n_tok, d_qk)
         n_hblk = h_q // B_H
-        self.kernel(
+        launch = self.kernel(
             mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
             page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage, n_hblk,
-        ).launch(
-            grid=[n_tok * n_hblk * n_splits, 1, 1],
-            block=[THREADS, 1, 1],
-            smem=self.smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=1,
         )
+        if const_expr(self.cluster):
+            # one cluster per row: its split CTAs are consecutive blocks (n_splits == self.cluster)
+            launch.launch(grid=[n_tok * n_hblk * n_splits, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
+                          smem=self.smem_bytes, stream=stream, min_blocks_per_mp=1)
+        else:
+            launch.launch(grid=[n_tok * n_hblk * n_splits, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+                          stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -190,6 +208,12 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         rest = bidx // n_hblk
         split = rest % n_splits
         token = rest // n_splits
+        if const_expr(self.cluster):
+            # a cluster per row: the split is the CTA's rank in the cluster (consecutive bidx)
+            split = bidx % self.cluster
+            rest = bidx // self.cluster
+            h_blk = rest % n_hblk
+            token = rest // n_hblk
         s_q = mQ.shape[1]
         b_idx, s_in = dd.cta_coords(token, s_q)
 
@@ -250,6 +274,10 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             dd.paired_producer_loop(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid, k0l, k0r,
                                     k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg, warp_idx % 4, self.n_left,
                                     self.n_k_tiles)
+            if const_expr(self.cluster):
+                cm.cluster_sync(False)  # the partials are staged (the producer wrote none of them)
+            if const_expr(self.cluster_dsmem):
+                cm.cluster_sync(False)  # the peers have read this CTA's smem
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             dp.cp_async_wait_all()  # this thread's Q copies (issued at the start) have landed
@@ -258,8 +286,24 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             self.consumer(
                 mSink, mO, mLse, mML, scale_log2, flags, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1,
                 k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, split, token, h_blk, num_iters, wg,
-                idx_in_wg,
+                idx_in_wg, dev.smem_addr_u32(sQ_ptr), dev.smem_addr_u32(storage.sStats.data_ptr()),
             )
+            if const_expr(self.cluster_l2):
+                # every CTA of the row has stored its part (release: MEMBAR.GPU after the stores;
+                # the acquiring wait invalidates L1), then this CTA merges its slice of the heads
+                cm.cluster_sync(True)
+                hp = B_H // self.cluster
+                dd.merge_block(mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags & Int32(dp.F_SINK),
+                               flags & Int32(dp.F_MAX_LOGITS), token, h_blk * B_H + split * hp, hp, self.d_v, tidx,
+                               256)
+            if const_expr(self.cluster_dsmem):
+                cm.cluster_sync(True)  # every CTA of the row has staged its partial
+                cm.merge_slice(dev.smem_addr_u32(sQ_ptr), dev.smem_addr_u32(storage.sStats.data_ptr()), split,
+                               self.cluster, B_H, self.d_v, self.cluster_bf16, tidx, 256, mO, mLse, mML, mSink,
+                               flags, token, h_blk * B_H, mQ.shape[2])
+                # no CTA exits while a peer reads its smem (every DSMEM load's value was consumed by
+                # the stores above, so the arrival need not release anything)
+                cm.cluster_sync(False)
             if const_expr(self.fused):
                 dd.fused_tail(mCnt, token * n_hblk + h_blk, n_splits, tidx, mO, mLse, mML, mOF, mLseF, mMLF, mSink,
                               flags, token, h_blk * B_H, B_H, self.d_v)
@@ -296,19 +340,22 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         num_iters: Int32,
         wg: Int32,
         idx_in_wg: Int32,
+        x_addr: Int32,
+        stats_addr: Int32,
     ):
         """WG0 / WG1: the forward's paired-block schedule (``common/decode_device.py``), then the
-        epilogue."""
+        epilogue (``x_addr`` / ``stats_addr``: where a cluster CTA stages its partial)."""
         c = dd.PairedBlockConsumer(sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, self.d_qk, self.d_v)
         c.loop(sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, BAR_S0_READY, BAR_S1_READY,
                num_iters, wg, scale_log2)
         self._epilogue(mSink, mO, mLse, mML, flags, sL, c.acc_o, c.rM, c.rL, split, token, h_blk, wg, idx_in_wg,
-                       c.row0, c.row1, c.lane_quad)
+                       c.row0, c.row1, c.lane_quad, x_addr, stats_addr)
 
     @cute.jit
     def _epilogue(self, mSink, mO, mLse, mML, flags, sL, acc_o, rM, rL, split, token, h_blk, wg, idx_in_wg,
-                  row0, row1, lane_quad):
-        """Row sums of both WGs, normalise O, store O, lse (and max_logits)."""
+                  row0, row1, lane_quad, x_addr, stats_addr):
+        """Row sums of both WGs, normalise O, store O, lse (and max_logits) -- or, in a cluster,
+        stage them in this CTA's smem for the merge (``common/cluster_merge.py``)."""
         l0 = dev.quad_sum(rL[0])
         l1 = dev.quad_sum(rL[1])
         if lane_quad == 0:
@@ -331,25 +378,36 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         inv1 = Float32(cutlass.select_(l1 > 0.0, 1.0 / (l1 + sink_term1), Float32(0.0)))
         dev.scale_rows(acc_o, inv0, inv1)
 
-        n_tok = n_tokens_of(mLse, self.split)
         odd = (lane_quad % 2) == 1
-        my_head = Int32(cutlass.select_(odd, head1, head0))
         col0 = wg * (self.d_v // 2) + 4 * (lane_quad // 2)
-        base = dp.out_row_offset(split, n_tok, token, h_q, my_head, self.d_v) + col0
-        elem_bytes = 4 if const_expr(self.f32_out) else 2
-        o_addr = dev.gmem_addr_i64(mO.iterator) + base * elem_bytes
-        for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
-            v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
-            addr = o_addr + (8 * g) * elem_bytes
-            if const_expr(self.f32_out):
-                dev.st_global_v4_f32(addr, v0, v1, v2, v3)
-            else:
-                dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
+        if const_expr(self.cluster_dsmem):
+            # the Q / KV buffers are free: both WGs passed BAR_L_READY after their last wgmma
+            my_row = Int32(cutlass.select_(odd, row1, row0))
+            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
+                cm.stage_o_v4(x_addr, my_row, col0 + 8 * g, v0, v1, v2, v3, self.d_v, self.cluster_bf16)
+            if wg == 1:
+                if lane_quad == 0:
+                    cm.stage_row_stats(stats_addr, row0, B_H, l0, rM[0])
+                    cm.stage_row_stats(stats_addr, row1, B_H, l1, rM[1])
+        else:
+            n_tok = n_tokens_of(mLse, self.split)
+            my_head = Int32(cutlass.select_(odd, head1, head0))
+            base = dp.out_row_offset(split, n_tok, token, h_q, my_head, self.d_v) + col0
+            elem_bytes = 4 if const_expr(self.f32_out) else 2
+            o_addr = dev.gmem_addr_i64(mO.iterator) + base * elem_bytes
+            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
+                addr = o_addr + (8 * g) * elem_bytes
+                if const_expr(self.f32_out):
+                    dev.st_global_v4_f32(addr, v0, v1, v2, v3)
+                else:
+                    dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
 
-        if wg == 1:
-            if lane_quad == 0:
-                dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head0), l0, rM[0], flags)
-                dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head1), l1, rM[1], flags)
+            if wg == 1:
+                if lane_quad == 0:
+                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head0), l0, rM[0], flags)
+                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head1), l1, rM[1], flags)
 
 
 def n_tokens_of(mLse, split: bool):
@@ -365,3 +423,13 @@ class SparseMlaDecodeSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeSm90):
 
     def __init__(self, d_qk: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
         super().__init__(d_qk, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
+
+
+class SparseMlaDecodeSm90ClusterL2(dd.FusedDecodeContract, SparseMlaDecodeSm90):
+    """The split kernel whose row runs as one cluster of ``cluster`` CTAs: each stores its float32
+    part to the workspace (L2), the cluster barrier publishes them, each CTA merges
+    ``64 / cluster`` heads (``MLA_KERNELS_DECODE_CLUSTER_PARTS=l2``).  The fused kernel's
+    contract; its counters argument is an unused placeholder."""
+
+    def __init__(self, d_qk: int, cluster: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, True, d_v, l2_prefetch, evict_first=evict_first, cluster=cluster, cluster_l2=True)
