@@ -18,7 +18,8 @@ SMEM_LIMIT = 232448
 def report():
     cr = compile_report_module()
     only = {"sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128", "sm90_indexer_topk_logits",
-            "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen"}
+            "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen",
+            "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
 
@@ -38,6 +39,42 @@ def test_score_kernels_use_wgmma_and_tma(report):
     assert base.get("UTMALDG", 0) >= 2
     sass, base = _common(report["sm90_indexer_score_fp8_h64_d128"])
     assert sass.get("QGMMA.64x256x32.F32.E4M3.E4M3", 0) == 4  # fp8: QGMMA, 4 k-steps of 32
+
+
+@pytest.mark.compile
+def test_score_kernel_with_the_fused_histogram(report):
+    """``hist``: two shared atomics per thread per key tile (one per score it writes) and the
+    histograms' two stores; bf16 d 128 fits with 4 key stages; no spills."""
+    r = report["sm90_indexer_score_bf16_h64_d128_hist"]
+    sass, base = _common(r)
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT
+    assert sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
+    assert sass.get("ATOMS.ADD", 0) == 2
+    assert base.get("STG", 0) == _common(report["sm90_indexer_score_bf16_h64_d128"])[1].get("STG", 0) + 2
+    sass, base = _common(report["sm90_indexer_topk_hist"])
+    assert base.get("HGMMA", 0) == 0
+
+
+def test_fused_histogram_settings(monkeypatch):
+    """Where ``indexer_topk`` fuses the first histogram into the score kernel: h_idx 64 and
+    ``s_kv < 65536`` (16-bit counters), unless MLA_KERNELS_INDEXER_TOPK_HIST=0."""
+    from types import SimpleNamespace as NS
+
+    from mla_kernels.sm90 import indexer_host
+    from mla_kernels.sm90.indexer_score import IndexerScoreSm90
+
+    monkeypatch.delenv(indexer_host.ENV_TOPK_HIST, raising=False)
+    assert indexer_host.topk_hist(NS(h=64, s_kv=65535))
+    assert not indexer_host.topk_hist(NS(h=64, s_kv=65536))
+    assert not indexer_host.topk_hist(NS(h=32, s_kv=1000))
+    assert not indexer_host.topk_hist(NS(h=16, s_kv=1000))
+    monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "0")
+    assert not indexer_host.topk_hist(NS(h=64, s_kv=1000))
+    with pytest.raises(ValueError, match="h_idx 64"):
+        IndexerScoreSm90(False, 32, 128, hist=True)
+    assert IndexerScoreSm90(False, 64, 128, hist=True).stages == 4  # bf16 d 128: the histograms take a stage
+    assert IndexerScoreSm90(True, 64, 128, hist=True).stages == IndexerScoreSm90(True, 64, 128).stages == 8
+    assert not IndexerScoreSm90(False, 64, 128, profile="mma", hist=True).hist  # timing copies: never
 
 
 @pytest.mark.compile

@@ -39,7 +39,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seqs", default="32768,65536", help="comma-separated sequence lengths S")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
-                    help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
+                    help="comma-separated: topk, topk_fp8, topk_nohist (both top-k rows with "
+                         "MLA_KERNELS_INDEXER_TOPK_HIST=0: the first histogram by a pass over the row instead of "
+                         "fused into the score kernel), loss, loss_det, loss_shuffled (the loss, default and "
+                         "deterministic, with each row's slots in a random order instead of indexer_topk's "
+                         "ascending key order), loss_bulk (dk by bulk reduce), "
                          "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
@@ -126,9 +130,11 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
 
     probs = [make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale) for s in sets]
     ins = [ih._score_inputs(p) for p in probs]
-    score, select = ih._score_fn(probs[0]), ih._topk_fn(probs[0], False)
+    fused = ih.topk_hist(probs[0])
+    score, select = ih._score_fn(probs[0], fused), ih._topk_fn(probs[0], False, fused)
     rows = ih.block_rows(S, S)
     ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
+    hist = torch.empty(rows, ih.HIST_BINS, dtype=torch.int32, device="cuda") if fused else ih.no_hist("cuda")
     idx = torch.empty(S, TOPK, dtype=torch.int32, device="cuda")
     ln = torch.empty(S, dtype=torch.int32, device="cuda")
     dummy = host.dummy(torch.float32, ws.device, (1, 1))
@@ -137,17 +143,19 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
         q2, k, w_eff, ks = ins[i]
         p = probs[i]
         for q0 in range(0, S, rows):
-            score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
+            score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], hist, q0, S)
 
     def f_select(i):
         p = probs[i]
         for q0 in range(0, S, rows):
-            select(ws[: min(rows, S - q0)], p.k_start, p.k_end, idx, ln, dummy, q0)
+            select(ws[: min(rows, S - q0)], p.k_start, p.k_end, idx, ln, dummy, hist, q0)
 
+    tag = "_hist" if fused else ""
     med, ts = _time(f_score, args.sets, args.warmup, args.reps)
-    _row(out, "topk_part_scores", "ours", S, TOPK, med, ts, fl_scores)
-    med, ts = _time(f_select, args.sets, args.warmup, args.reps)
-    _row(out, "topk_part_select", "ours", S, TOPK, med, ts, None, None, f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+    _row(out, "topk_part_scores" + tag, "ours", S, TOPK, med, ts, fl_scores)
+    med, ts = _time(f_select, args.sets, args.warmup, args.reps)  # (hist: the last block's, consistent)
+    _row(out, "topk_part_select" + tag, "ours", S, TOPK, med, ts, None, None,
+         f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
 
 
 def _unpack_peer(tar: str) -> None:
@@ -221,17 +229,25 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
+        if "topk_nohist" in mine and cuda:
+            os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = "0"
+            try:
+                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_nohist")
+            finally:
+                os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
         if "sum_parts" in mine and cuda:
             _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev)
         if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores)
-        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch")
+        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch",
+                      "loss_shuffled")
         if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
             tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
+            idx_sorted, tgt_sorted = idx, tgt
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
             # (deterministic, dk mode): MLA_KERNELS_INDEXER_DK (red, bulk, none) or
@@ -242,11 +258,18 @@ def rows(args):
             variants += [(False, "noprefetch"), (True, "noprefetch")] if ("loss_noprefetch" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
                 variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
+            variants += [(False, "shuffled"), (True, "shuffled")] if "loss_shuffled" in mine else []
             for det, dk in variants:
                 tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
+                # "shuffled": each row's valid slots (and their targets) in a random order, the
+                # -1 padding kept at the end -- what the default rows get in ascending key order
+                idx, tgt = (shuffle_slots(idx_sorted, tgt_sorted, ln, seed=2) if dk == "shuffled"
+                            else (idx_sorted, tgt_sorted))
+                if dk == "shuffled":
+                    dk = ""
                 os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
-                    "" if det and dk == "noprefetch" else ("red" if dk == "noprefetch" else dk))
+                    "" if det and dk in ("noprefetch", "") else ("red" if dk in ("noprefetch", "") else dk))
 
                 def fwd(i, det=det):
                     s = leaves[i]
@@ -263,7 +286,7 @@ def rows(args):
                     loss.backward()
                     return loss
 
-                if not det and dk in ("red", "noprefetch"):
+                if not det and dk in ("red", "noprefetch", ""):
                     med, ts = _time(fwd, args.sets, args.warmup, args.reps)
                     _row(out, "loss_fwd" + tag, ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
                 med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
@@ -278,6 +301,36 @@ def rows(args):
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def shuffle_slots(idx, tgt, length, seed=0):
+    """``(idx, tgt)`` with each row's first ``length[t]`` slots permuted at random (the same
+    permutation for both; the rest of the row kept): the same loss, another visiting order."""
+    s_q, topk = idx.shape
+    g = torch.Generator(device=idx.device).manual_seed(seed)
+    r = torch.rand(s_q, topk, device=idx.device, generator=g)
+    pos = torch.arange(topk, device=idx.device)[None, :]
+    valid = pos < length[:, None].long()
+    r = torch.where(valid, r, 2.0 + pos.float())  # invalid slots sort last, in place
+    perm = r.argsort(dim=1)
+    return idx.gather(1, perm), tgt.gather(1, perm)
+
+
+def _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, tag):
+    """``indexer_topk`` bf16 and fp8 rows (as the default cases) under the current environment."""
+    s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
+               qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+
+    def f16(i):
+        s = sets[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
+
+    def f8(i):
+        s = s8[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"], k_scale=s["ks"])
+    for name, fn in (("topk_bf16", f16), ("topk_fp8", f8)):
+        med, ts = _time(fn, args.sets, args.warmup, args.reps)
+        _row(out, name + tag, "ours", S, TOPK, med, ts, fl_scores, _peak_mib(fn))
 
 
 def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
@@ -329,6 +382,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
     arch = _compile.arch_for_device(torch.device("cuda"))
     rows = ih.block_rows(S, S)
     ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
+    hist = torch.empty(rows, ih.HIST_BINS, dtype=torch.int32, device="cuda")
     for fp8 in (False, True):
         probs = []
         for s in sets:
@@ -339,20 +393,24 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        variants = [("", True, True, 1), ("nostore", True, True, 1), ("mma", True, True, 1), ("", False, True, 1),
-                    ("", True, True, 2), ("", True, True, 4)]
-        variants += [("", True, False, 1)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
-        for prof, w_regs, ks_early, parts in variants:
-            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts)
+        variants = [("", True, True, 1, False), ("", True, True, 1, True), ("nostore", True, True, 1, False),
+                    ("mma", True, True, 1, False), ("", False, True, 1, False), ("", True, True, 2, False),
+                    ("", True, True, 4, False)]
+        variants += [("", True, False, 1, False)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
+        for prof, w_regs, ks_early, parts, hi in variants:
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts,
+                                  hist=hi)
+            hb = hist if hi else ih.no_hist("cuda")
 
-            def f(i, fn=fn):
+            def f(i, fn=fn, hb=hb):
                 q2, k, w_eff, ks = ins[i]
                 p = probs[i]
                 for q0 in range(0, S, rows):
-                    fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
+                    fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], hb, q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
-                   + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}"))
+                   + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}")
+                   + ("_hist" if hi else ""))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

@@ -5,7 +5,10 @@ launches.
   workspace ``[rows, s_kv]`` of at most :data:`WORKSPACE_BYTES` (512 MiB: 4096 rows at
   s_kv 32k, 2048 at 64k, 1024 at 128k): the score kernel (``indexer_score.py``) fills the
   block's in-range scores, the top-k kernel (``indexer_topk.py``) selects each row's keys.  The
-  ``[s_q, s_kv]`` scores are never held whole.
+  ``[s_q, s_kv]`` scores are never held whole.  With h_idx 64 and ``s_kv < 65536`` the score
+  kernel also counts each row's first-digit histogram (``[rows, 2048]`` int32 beside the
+  workspace, 8 KiB per row: 32 MiB at 4096 rows) and the top-k kernel starts from it instead of
+  reading the row once more (:data:`ENV_TOPK_HIST`).
 * ``indexer_logits``: the score kernel into the caller's ``[s_q, s_kv]`` output, pre-filled with
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
@@ -52,6 +55,11 @@ ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 #: ``0``: the top-k kernel always writes its selection by a third pass over the row (the first
 #: version) instead of from its shared selection bitmap.
 ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
+#: ``0``: the top-k kernel counts its first histogram by reading the row (the first version)
+#: instead of taking the one the score kernel counted while writing it.
+ENV_TOPK_HIST = "MLA_KERNELS_INDEXER_TOPK_HIST"
+#: The fused first-digit histogram's bins (``indexer_score.BINS``, ``indexer_topk.BINS``).
+HIST_BINS = 2048
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
@@ -138,16 +146,16 @@ def sum_parts() -> int:
     return int(v)
 
 
-def _compile_score(fp8, h, d, arch, w_regs, parts=1):
+def _compile_score(fp8, h, d, arch, w_regs, parts=1, hist=False):
     from .indexer_score import compile_score
 
-    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts)
+    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts, hist=hist)
 
 
-def _compile_topk(return_logits, arch, batch, bitmap):
+def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False):
     from .indexer_topk import compile_topk
 
-    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap)
+    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist)
 
 
 def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1):
@@ -166,22 +174,34 @@ def _loss_prefetch() -> bool:
     return os.environ.get(ENV_LOSS_PREFETCH, "1").strip() != "0"
 
 
-def _score_fn(p):
+def topk_hist(p) -> bool:
+    """Whether ``indexer_topk`` fuses the first-digit histogram into the score kernel: h_idx 64
+    (8 queries per score CTA: 32 KiB of shared 16-bit counters) and ``s_kv < 65536`` (no row has
+    65,536 keys in range, so no counter overflows); :data:`ENV_TOPK_HIST` ``=0`` turns it off."""
+    return p.h == 64 and p.s_kv < 65536 and os.environ.get(ENV_TOPK_HIST, "1").strip() != "0"
+
+
+def _score_fn(p, hist: bool = False):
     fp8, arch = p.is_fp8, _arch(p)
     w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
     parts = sum_parts()
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, arch),
-                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts))
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, hist, arch),
+                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist))
 
 
-def _topk_fn(p, return_logits: bool):
+def _topk_fn(p, return_logits: bool, pre_hist: bool = False):
     arch = _arch(p)
     batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
     if batch not in (1, 2, 4, 8):
         raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
     bitmap = os.environ.get(ENV_TOPK_MAP, "1").strip() != "0"
-    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, arch),
-                  lambda: _compile_topk(return_logits, arch, batch, bitmap))
+    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, pre_hist, arch),
+                  lambda: _compile_topk(return_logits, arch, batch, bitmap, pre_hist))
+
+
+def no_hist(device) -> torch.Tensor:
+    """The placeholder histogram argument of a score / top-k kernel built without ``hist``."""
+    return host.dummy(torch.int32, device, (1, HIST_BINS))
 
 
 #: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.
@@ -198,26 +218,28 @@ def block_rows(s_q: int, s_kv: int) -> int:
 def run_logits(p) -> torch.Tensor:
     out = torch.full((p.s_q, p.s_kv), float("-inf"), dtype=torch.float32, device=p.device)
     q2, k, w_eff, ks = _score_inputs(p)
-    _score_fn(p)(q2, k, w_eff, ks, p.k_start, p.k_end, out, 0, p.s_kv)
+    _score_fn(p)(q2, k, w_eff, ks, p.k_start, p.k_end, out, no_hist(p.device), 0, p.s_kv)
     return out
 
 
 def run_topk(p, topk: int, return_logits: bool):
     dev = p.device
     q2, k, w_eff, ks = _score_inputs(p)
-    score = _score_fn(p)
-    select = _topk_fn(p, return_logits)
+    fused = topk_hist(p)
+    score = _score_fn(p, fused)
+    select = _topk_fn(p, return_logits, fused)
     indices = host.alloc((p.s_q, topk), torch.int32, dev)
     length = host.alloc((p.s_q,), torch.int32, dev)
     logits = host.alloc((p.s_q, topk), torch.float32, dev) if return_logits else host.dummy(
         torch.float32, dev, (1, 1))
     rows = block_rows(p.s_q, p.s_kv)
     ws = torch.empty(rows, p.s_kv, dtype=torch.float32, device=dev)
+    hist = torch.empty(rows, HIST_BINS, dtype=torch.int32, device=dev) if fused else no_hist(dev)
     for q0 in range(0, p.s_q, rows):
         n = min(rows, p.s_q - q0)
         block = ws[:n]
-        score(q2, k, w_eff, ks, p.k_start, p.k_end, block, q0, p.s_kv)
-        select(block, p.k_start, p.k_end, indices, length, logits, q0)
+        score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist, q0, p.s_kv)
+        select(block, p.k_start, p.k_end, indices, length, logits, hist, q0)
     return (indices, length, logits) if return_logits else (indices, length)
 
 
@@ -235,7 +257,7 @@ def select_rows(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
     indices = host.alloc((s_q, topk), torch.int32, dev)
     length = host.alloc((s_q,), torch.int32, dev)
     logits = host.alloc((s_q, topk), torch.float32, dev) if return_logits else host.dummy(torch.float32, dev, (1, 1))
-    select(scores, k_start, k_end, indices, length, logits, 0)
+    select(scores, k_start, k_end, indices, length, logits, no_hist(dev), 0)
     return (indices, length, logits) if return_logits else (indices, length)
 
 
