@@ -43,13 +43,14 @@ def test_score_kernels_use_wgmma_and_tma(report):
 
 @pytest.mark.compile
 def test_score_kernel_with_the_fused_histogram(report):
-    """``hist``: two shared atomics per thread per key tile (one per score it writes) and the
-    histograms' two stores; bf16 d 128 fits with 4 key stages; no spills."""
+    """``hist`` (the default mode, ``agg``): per key tile two warp matches and at most two shared
+    atomics per thread (one per score it writes), the histograms' two stores; bf16 d 128 fits
+    with 4 key stages; no spills."""
     r = report["sm90_indexer_score_bf16_h64_d128_hist"]
     sass, base = _common(r)
     assert 0 < r["smem_bytes"] <= SMEM_LIMIT
     assert sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
-    assert sass.get("ATOMS.ADD", 0) == 2
+    assert sass.get("ATOMS.ADD", 0) == 2 and sass.get("MATCH.ANY", 0) == 2
     assert base.get("STG", 0) == _common(report["sm90_indexer_score_bf16_h64_d128"])[1].get("STG", 0) + 2
     sass, base = _common(report["sm90_indexer_topk_hist"])
     assert base.get("HGMMA", 0) == 0
@@ -64,14 +65,27 @@ def test_fused_histogram_settings(monkeypatch):
     from mla_kernels.sm90.indexer_score import IndexerScoreSm90
 
     monkeypatch.delenv(indexer_host.ENV_TOPK_HIST, raising=False)
-    assert indexer_host.topk_hist(NS(h=64, s_kv=65535))
-    assert not indexer_host.topk_hist(NS(h=64, s_kv=65536))
-    assert not indexer_host.topk_hist(NS(h=32, s_kv=1000))
-    assert not indexer_host.topk_hist(NS(h=16, s_kv=1000))
+    for fp8, dt in ((False, "bf16"), (True, "fp8")):
+        assert indexer_host.topk_hist(NS(h=64, s_kv=65535, is_fp8=fp8)) == indexer_host.HIST_DEFAULT[dt]
+        assert indexer_host.topk_hist(NS(h=64, s_kv=65536, is_fp8=fp8)) == ""
+        assert indexer_host.topk_hist(NS(h=32, s_kv=1000, is_fp8=fp8)) == ""
+        assert indexer_host.topk_hist(NS(h=16, s_kv=1000, is_fp8=fp8)) == ""
+    for mode in indexer_host.HIST_MODES:
+        monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, mode)
+        assert indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=False)) == mode
+        assert indexer_host.topk_hist(NS(h=32, s_kv=1000, is_fp8=False)) == ""
     monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "0")
-    assert not indexer_host.topk_hist(NS(h=64, s_kv=1000))
+    assert indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=True)) == ""
+    monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "sometimes")
+    with pytest.raises(ValueError, match="plain, pad, agg"):
+        indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=True))
     with pytest.raises(ValueError, match="h_idx 64"):
         IndexerScoreSm90(False, 32, 128, hist=True)
+    with pytest.raises(ValueError, match="expected one of"):
+        IndexerScoreSm90(False, 64, 128, hist="sometimes")
+    from mla_kernels.sm90 import indexer_score
+
+    assert indexer_score.HIST_MODES == indexer_host.HIST_MODES and indexer_score.BINS == indexer_host.HIST_BINS
     assert IndexerScoreSm90(False, 64, 128, hist=True).stages == 4  # bf16 d 128: the histograms take a stage
     assert IndexerScoreSm90(True, 64, 128, hist=True).stages == IndexerScoreSm90(True, 64, 128).stages == 8
     assert not IndexerScoreSm90(False, 64, 128, profile="mma", hist=True).hist  # timing copies: never

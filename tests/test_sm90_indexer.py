@@ -293,10 +293,11 @@ def test_topk_blocks_and_poison(monkeypatch):
     assert torch.isneginf(one[2][one[0] < 0]).all()
 
 
+@pytest.mark.parametrize("mode", ["plain", "pad", "agg"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_topk_fused_histogram_matches_the_row_pass(fp8, monkeypatch):
-    """The first-digit histogram counted by the score kernel (h_idx 64, s_kv < 65536: the
-    default) selects exactly what the top-k kernel's own pass over the row selects (indices,
+def test_topk_fused_histogram_matches_the_row_pass(fp8, mode, monkeypatch):
+    """The first-digit histogram counted by the score kernel (h_idx 64, s_kv < 65536), in each of
+    its counting modes, selects exactly what the top-k kernel's own pass over the row selects (indices,
     lengths, logits bitwise): random inputs, integer-valued ones (heavy ties: rows whose threshold
     bin holds more than the 4096 candidates), key ranges with an empty row, several workspace
     blocks with a partial last one."""
@@ -311,7 +312,9 @@ def test_topk_fused_histogram_matches_the_row_pass(fp8, monkeypatch):
         kst, ken = ranges(s_q, s_kv, kind, seed=3)
         p = make_indexer_problem(q, k, w, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
         monkeypatch.delenv(indexer_host.ENV_TOPK_HIST, raising=False)
-        assert indexer_host.topk_hist(p)
+        assert indexer_host.topk_hist(p) == indexer_host.HIST_DEFAULT["fp8" if fp8 else "bf16"]
+        monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, mode)
+        assert indexer_host.topk_hist(p) == mode
         fused = mk.indexer_topk(q, k, w, topk, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc,
                                 return_logits=True)
         monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "0")

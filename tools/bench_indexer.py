@@ -41,15 +41,17 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
                     help="comma-separated: topk, topk_fp8, topk_nohist (both top-k rows with "
                          "MLA_KERNELS_INDEXER_TOPK_HIST=0: the first histogram by a pass over the row instead of "
-                         "fused into the score kernel), loss, loss_det, loss_shuffled (the loss, default and "
+                         "fused into the score kernel), hist_modes (both top-k rows with each fused-histogram "
+                         "mode: 0, plain, pad, agg), loss, loss_det, loss_shuffled (the loss, default and "
                          "deterministic, with each row's slots in a random order instead of indexer_topk's "
                          "ascending key order), loss_bulk (dk by bulk reduce), "
                          "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
-                         "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
-                         "registers or, _wsmem, read from smem per key tile; fp8 _kslate: k_scale loaded in the "
-                         "epilogue instead of before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
+                         "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; _hist<mode>: "
+                         "counting the fused histogram; _s4: 4 key stages), score_profile_old (weights read from "
+                         "smem per key tile, _wsmem; fp8 _kslate: k_scale loaded in the epilogue instead of "
+                         "before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
                          "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
                          "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4)")
     ap.add_argument("--peer-tar", default="",
@@ -130,32 +132,37 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
 
     probs = [make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale) for s in sets]
     ins = [ih._score_inputs(p) for p in probs]
-    fused = ih.topk_hist(probs[0])
-    score, select = ih._score_fn(probs[0], fused), ih._topk_fn(probs[0], False, fused)
     rows = ih.block_rows(S, S)
-    ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
-    hist = torch.empty(rows, ih.HIST_BINS, dtype=torch.int32, device="cuda") if fused else ih.no_hist("cuda")
+    # every block's scores (and histograms) kept, so that each select reads what its score call
+    # wrote (a histogram must describe its row); the input set is fixed (sets rotate otherwise)
+    ws = torch.empty(S, S, dtype=torch.float32, device="cuda")
+    hist = torch.empty(S, ih.HIST_BINS, dtype=torch.int32, device="cuda")
     idx = torch.empty(S, TOPK, dtype=torch.int32, device="cuda")
     ln = torch.empty(S, dtype=torch.int32, device="cuda")
     dummy = host.dummy(torch.float32, ws.device, (1, 1))
+    q2, k, w_eff, ks = ins[0]
+    p = probs[0]
+    for fused in dict.fromkeys([ih.topk_hist(p), ""]):
+        score, select = ih._score_fn(p, fused), ih._topk_fn(p, False, fused)
+        hb = hist if fused else ih.no_hist("cuda")
 
-    def f_score(i):
-        q2, k, w_eff, ks = ins[i]
-        p = probs[i]
-        for q0 in range(0, S, rows):
-            score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], hist, q0, S)
+        def f_score(i, score=score, hb=hb, fused=fused):
+            for q0 in range(0, S, rows):
+                n = min(rows, S - q0)
+                score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[q0: q0 + n], hb[q0: q0 + n] if fused else hb, q0, S)
 
-    def f_select(i):
-        p = probs[i]
-        for q0 in range(0, S, rows):
-            select(ws[: min(rows, S - q0)], p.k_start, p.k_end, idx, ln, dummy, hist, q0)
+        def f_select(i, select=select, hb=hb, fused=fused):
+            for q0 in range(0, S, rows):
+                n = min(rows, S - q0)
+                select(ws[q0: q0 + n], p.k_start, p.k_end, idx, ln, dummy, hb[q0: q0 + n] if fused else hb, q0)
 
-    tag = "_hist" if fused else ""
-    med, ts = _time(f_score, args.sets, args.warmup, args.reps)
-    _row(out, "topk_part_scores" + tag, "ours", S, TOPK, med, ts, fl_scores)
-    med, ts = _time(f_select, args.sets, args.warmup, args.reps)  # (hist: the last block's, consistent)
-    _row(out, "topk_part_select" + tag, "ours", S, TOPK, med, ts, None, None,
-         f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+        tag = f"_hist{fused}" if fused else ""
+        med, ts = _time(f_score, 1, args.warmup, args.reps)
+        _row(out, "topk_part_scores" + tag, "ours", S, TOPK, med, ts, fl_scores)
+        med, ts = _time(f_select, 1, args.warmup, args.reps)
+        _row(out, "topk_part_select" + tag, "ours", S, TOPK, med, ts, None, None,
+             f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+    del ws, hist
 
 
 def _unpack_peer(tar: str) -> None:
@@ -235,12 +242,21 @@ def rows(args):
                 _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_nohist")
             finally:
                 os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
+        if "hist_modes" in mine and cuda:
+            for mode in ("0", "plain", "pad", "agg"):
+                os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = mode
+                try:
+                    _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, f"_hist{mode}")
+                finally:
+                    os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
         if "sum_parts" in mine and cuda:
             _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev)
         if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores)
+        if "score_profile_old" in mine and cuda:
+            _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=True)
         loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch",
                       "loss_shuffled")
         if any(c in mine for c in loss_cases):
@@ -371,7 +387,7 @@ def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
         os.environ.pop("MLA_KERNELS_INDEXER_SUM_PARTS", None)
 
 
-def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
+def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
     """The score kernel over all row blocks (bf16 and fp8) as built, without its stores, and with
     the MMAs alone (``IndexerScoreSm90(profile=...)`` timing copies): where its time goes."""
     from mla_kernels import _compile
@@ -393,13 +409,17 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        variants = [("", True, True, 1, False), ("", True, True, 1, True), ("nostore", True, True, 1, False),
-                    ("mma", True, True, 1, False), ("", False, True, 1, False), ("", True, True, 2, False),
-                    ("", True, True, 4, False)]
-        variants += [("", True, False, 1, False)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
-        for prof, w_regs, ks_early, parts, hi in variants:
+        # (profile, w_regs, ks_early, sum_parts, hist mode, stages)
+        if old:
+            variants = [("", False, True, 1, "", 0), ("", True, True, 2, "", 0), ("", True, True, 4, "", 0)]
+            variants += [("", True, False, 1, "", 0)] if fp8 else []  # k_scale in the epilogue (the old place)
+        else:
+            variants = [("", True, True, 1, "", 0), ("nostore", True, True, 1, "", 0), ("mma", True, True, 1, "", 0)]
+            variants += [("", True, True, 1, m, 0) for m in ("plain", "pad", "agg")]
+            variants += [("", True, True, 1, "", 4)] if not fp8 else []  # the stages bf16 keeps with hist
+        for prof, w_regs, ks_early, parts, hi, stages in variants:
             _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts,
-                                  hist=hi)
+                                  hist=hi, stages=stages)
             hb = hist if hi else ih.no_hist("cuda")
 
             def f(i, fn=fn, hb=hb):
@@ -410,7 +430,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
                    + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}")
-                   + ("_hist" if hi else ""))
+                   + (f"_hist{hi}" if hi else "") + (f"_s{stages}" if stages else ""))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

@@ -56,8 +56,13 @@ ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 #: version) instead of from its shared selection bitmap.
 ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: ``0``: the top-k kernel counts its first histogram by reading the row (the first version)
-#: instead of taking the one the score kernel counted while writing it.
+#: instead of taking the one the score kernel counted while writing it; ``plain``, ``pad`` or
+#: ``agg``: that mode of the score kernel's counting (``indexer_score.HIST_MODES``) for both
+#: dtypes; unset / ``1``: :data:`HIST_DEFAULT`.
 ENV_TOPK_HIST = "MLA_KERNELS_INDEXER_TOPK_HIST"
+#: The fused histogram's mode per input dtype by default ("" = not fused), see docs/PERF.md.
+HIST_DEFAULT = {"bf16": "agg", "fp8": "agg"}
+HIST_MODES = ("plain", "pad", "agg")
 #: The fused first-digit histogram's bins (``indexer_score.BINS``, ``indexer_topk.BINS``).
 HIST_BINS = 2048
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
@@ -174,14 +179,22 @@ def _loss_prefetch() -> bool:
     return os.environ.get(ENV_LOSS_PREFETCH, "1").strip() != "0"
 
 
-def topk_hist(p) -> bool:
-    """Whether ``indexer_topk`` fuses the first-digit histogram into the score kernel: h_idx 64
-    (8 queries per score CTA: 32 KiB of shared 16-bit counters) and ``s_kv < 65536`` (no row has
-    65,536 keys in range, so no counter overflows); :data:`ENV_TOPK_HIST` ``=0`` turns it off."""
-    return p.h == 64 and p.s_kv < 65536 and os.environ.get(ENV_TOPK_HIST, "1").strip() != "0"
+def topk_hist(p) -> str:
+    """The mode in which ``indexer_topk`` fuses the first-digit histogram into the score kernel,
+    or ``""`` (not fused): only at h_idx 64 (8 queries per score CTA: 32 KiB of shared 16-bit
+    counters) and ``s_kv < 65536`` (no row has 65,536 keys in range, so no counter overflows);
+    :data:`ENV_TOPK_HIST` chooses (``0``: off), else :data:`HIST_DEFAULT` of the dtype."""
+    v = os.environ.get(ENV_TOPK_HIST, "").strip().lower()
+    if v not in ("", "0", "1") + HIST_MODES:
+        raise ValueError(f"{ENV_TOPK_HIST}={v!r}: expected 0, 1, {', '.join(HIST_MODES)}")
+    if p.h != 64 or p.s_kv >= 65536 or v == "0":
+        return ""
+    if v in HIST_MODES:
+        return v
+    return HIST_DEFAULT["fp8" if getattr(p, "is_fp8", False) else "bf16"]
 
 
-def _score_fn(p, hist: bool = False):
+def _score_fn(p, hist: str = ""):
     fp8, arch = p.is_fp8, _arch(p)
     w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
     parts = sum_parts()
@@ -189,12 +202,13 @@ def _score_fn(p, hist: bool = False):
                   lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist))
 
 
-def _topk_fn(p, return_logits: bool, pre_hist: bool = False):
+def _topk_fn(p, return_logits: bool, pre_hist=False):
     arch = _arch(p)
     batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
     if batch not in (1, 2, 4, 8):
         raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
     bitmap = os.environ.get(ENV_TOPK_MAP, "1").strip() != "0"
+    pre_hist = bool(pre_hist)
     return cached(("IndexerTopkSm90", return_logits, batch, bitmap, pre_hist, arch),
                   lambda: _compile_topk(return_logits, arch, batch, bitmap, pre_hist))
 

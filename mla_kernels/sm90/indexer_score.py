@@ -44,8 +44,12 @@ histograms of the top-k's first radix digit (the top 11 bits of
 :func:`~mla_kernels.common.indexer_device.ordered_key`; 16-bit counters, two per word, so a row
 must have fewer than 65,536 keys in range: the host asks for it only when ``s_kv < 65536``) and
 writes them to ``hist[t - q0, :]`` (int32) at the end, so that the top-k kernel does not read each
-row once more for its first histogram (``indexer_topk.py``, ``pre_hist``).  One shared atomic
-per score (two per thread per key tile) beside the 128 ReLU + FMA of the head sums.
+row once more for its first histogram (``indexer_topk.py``, ``pre_hist``).  Modes
+(:data:`HIST_MODES`): ``plain`` -- one shared atomic per score (two per thread per key tile),
+rows 1024 words apart; ``pad`` -- rows :data:`HIST_PITCH` words apart, so that the same bin of
+the warp's 4 rows sits in 4 different banks; ``agg`` -- ``pad`` and the lanes of a warp that
+count the same (row, bin) found by ``match.any.sync`` and added by one atomic of their count
+(scores of one row crowd into a few bins).  ``hist=True`` is :data:`DEFAULT_HIST`.
 
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
@@ -74,6 +78,10 @@ BAR_W = 1  # the consumers' weights are in smem (and, with ``hist``, the histogr
 BAR_HIST = 2  # with ``hist``: every consumer's counts are in (the histograms are written out)
 BINS = 2048  # the top-k's first digit: the top 11 bits of the ordered key
 HIST_SHIFT = 21
+HIST_MODES = ("plain", "pad", "agg")
+DEFAULT_HIST = "agg"
+HIST_PITCH = BINS // 2 + 8  # words per row's counters in ``pad`` / ``agg``
+NO_COUNT = 0xFFFFFFFF  # ``agg``: a lane that counts nothing this step
 
 
 def smem_atom_kind(row_bytes: int):
@@ -89,7 +97,7 @@ class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
     def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True,
-                 sum_parts: int = idev.SUM_PARTS, hist: bool = False):
+                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
@@ -107,14 +115,20 @@ class IndexerScoreSm90:
         self.d = d
         self.bq = BN // h  # queries per consumer warpgroup
         self.cq = 2 * self.bq  # queries per CTA
-        self.stages = 5 if (d * self.elem) == 256 else 8
-        self.hist = hist and profile == ""
+        self.stages = stages or (5 if (d * self.elem) == 256 else 8)
+        if hist is True:
+            hist = DEFAULT_HIST
+        if hist and hist not in HIST_MODES:
+            raise ValueError(f"hist {hist!r}: expected one of {HIST_MODES}")
+        self.hist_mode = hist if (hist and profile == "") else ""
+        self.hist = bool(self.hist_mode)
+        self.pitch = BINS // 2 if self.hist_mode == "plain" else HIST_PITCH
         if self.hist:
             if h != 64:
                 raise ValueError(f"the fused histogram takes h_idx 64 (8 queries per CTA), got {h}")
-            # the histograms (8 rows x 1024 words) beside Q, K and the weights: fewer key stages
+            # the histograms (8 rows of counters) beside Q, K and the weights: fewer key stages
             # where they would not fit (bf16 d 128: 4 instead of 5)
-            fixed = 2 * BN * d * self.elem + self.cq * (BINS // 2) * 4 + 2 * BN * 4 + 512
+            fixed = 2 * BN * d * self.elem + self.cq * self.pitch * 4 + 2 * BN * 4 + 512
             while fixed + self.stages * BM * d * self.elem > SMEM_LIMIT:
                 self.stages -= 1
         self.regs_consumer = 232
@@ -157,7 +171,7 @@ class IndexerScoreSm90:
             sW: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BN], 16]
             pipe: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             bar_q: cute.struct.MemRange[cutlass.Int64, 1]
-            hist: cute.struct.Align[cute.struct.MemRange[Int32, self.cq * (BINS // 2) if self.hist else 4], 16]
+            hist: cute.struct.Align[cute.struct.MemRange[Int32, self.cq * self.pitch if self.hist else 4], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -217,7 +231,7 @@ class IndexerScoreSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sW = storage.sW.get_tensor(cute.make_layout(2 * BN))
-        n_hist = self.cq * (BINS // 2) if self.hist else 4
+        n_hist = self.cq * self.pitch if self.hist else 4
         sHist = storage.hist.get_tensor(cute.make_layout(n_hist))
 
         # The key tiles this query tile needs: the union of its rows' ranges.
@@ -271,8 +285,9 @@ class IndexerScoreSm90:
                 sW[c] = w
             ct = wg * 128 + idx_in_wg
             if const_expr(self.hist):
-                for e in cutlass.range_constexpr(n_hist // 256):
-                    sHist[e * 256 + ct] = Int32(0)
+                for e in cutlass.range_constexpr((n_hist + 255) // 256):
+                    if e * 256 + ct < n_hist:
+                        sHist[e * 256 + ct] = Int32(0)
             cute.arch.barrier(barrier_id=BAR_W, number_of_threads=256)
             if n_k > 0:
                 cute.arch.mbarrier_wait(bar_q, 0)
@@ -282,11 +297,11 @@ class IndexerScoreSm90:
                     # every consumer's counts are in: the rows' histograms out, counters unpacked
                     cute.arch.barrier(barrier_id=BAR_HIST, number_of_threads=256)
                     n_rows_out = mOut.shape[0]
-                    for e in cutlass.range(n_hist // 256, unroll=1):
+                    for e in cutlass.range(self.cq * (BINS // 2) // 256, unroll=1):
                         wi = e * 256 + ct
                         t = qt0 + wi // (BINS // 2)
                         if t < s_q and t - q0 < n_rows_out:
-                            x = sHist[wi]
+                            x = sHist[(wi // (BINS // 2)) * self.pitch + wi % (BINS // 2)]
                             col = 2 * (wi % (BINS // 2))
                             mHist[t - q0, col] = x & Int32(0xFFFF)
                             mHist[t - q0, col + 1] = (x >> Int32(16)) & Int32(0xFFFF)
@@ -326,7 +341,7 @@ class IndexerScoreSm90:
         if const_expr(self.w_regs):
             idev.load_weight_cols(rW, sW, w_off, BN, lane_quad)
         rKs = cute.make_rmem_tensor((2,), Float32)
-        hist_row0 = (wg * self.bq + lane_quad * qpl) * (BINS // 2)  # this lane's first row's counters
+        hist_row0 = (wg * self.bq + lane_quad * qpl) * self.pitch  # this lane's first row's counters
         for i in cutlass.range(n_k, unroll=1):
             key0 = (tile_lo + i) * BM
             if const_expr(self.fp8 and self.ks_early):  # issued before the wait: latency under the MMA
@@ -362,6 +377,7 @@ class IndexerScoreSm90:
                 idev.quad_reduce_scatter(vals, 2 * self.bq, lane)
                 for r in cutlass.range_constexpr(2):
                     key = key0 + row0 + 8 * r
+                    cnt_val = Uint32(NO_COUNT)  # agg: (row's word << 1 | half) this lane counts
                     if key < s_kv:
                         ks = Float32(1.0)
                         if const_expr(self.fp8 and self.ks_early):
@@ -384,20 +400,32 @@ class IndexerScoreSm90:
                                     # row (wg * bq + lane_quad * qpl + k) of the CTA, 16-bit counters
                                     if inr:
                                         kb = idev.ordered_key(v) >> Uint32(HIST_SHIFT)
-                                        word = hist_row0 + k * (BINS // 2) + Int32(kb >> Uint32(1))
-                                        inc = Int32(1) << Int32((kb & Uint32(1)) * Uint32(16))
-                                        cute.arch.atomic_add(sHist.iterator + word, inc)
+                                        if const_expr(self.hist_mode == "agg"):
+                                            cnt_val = Uint32(hist_row0 + k * self.pitch) * Uint32(2) + kb
+                                        else:
+                                            word = hist_row0 + k * self.pitch + Int32(kb >> Uint32(1))
+                                            inc = Int32(1) << Int32((kb & Uint32(1)) * Uint32(16))
+                                            cute.arch.atomic_add(sHist.iterator + word, inc)
+                    if const_expr(self.hist_mode == "agg"):
+                        # the warp's lanes counting the same (row, bin): one atomic by the lowest
+                        # (qpl == 1 at h 64: at most one count per lane and step)
+                        same = Uint32(cute.arch.match_sync(0xFFFFFFFF, cnt_val))
+                        lead = (same & Uint32(cute.arch.lanemask_lt())) == Uint32(0)
+                        if lead and cnt_val != Uint32(NO_COUNT):
+                            n_same = Int32(cute.arch.popc(same))
+                            inc = n_same << Int32((cnt_val & Uint32(1)) * Uint32(16))
+                            cute.arch.atomic_add(sHist.iterator + Int32(cnt_val >> Uint32(1)), inc)
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  ks_early: bool = True, sum_parts: int = 1, hist: bool = False, **kw):
+                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
     n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld, h_rows, h_cols = (cute.sym_int() for _ in range(10))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist)
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),

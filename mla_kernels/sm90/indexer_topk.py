@@ -241,8 +241,8 @@ class IndexerTopkSm90:
                         if lane == 0:
                             base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
                         base = cute.arch.shuffle_sync(base, 0)
-                        if eq:
-                            pos = base + Int32(cute.arch.popc(m & lt))
+                        pos = base + Int32(cute.arch.popc(m & lt))
+                        if eq and pos < CAP:  # (a histogram from elsewhere cannot overrun the buffer)
                             sCandKey[pos] = key
                             sCandIdx[pos] = j
         if lane == 0:
