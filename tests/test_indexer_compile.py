@@ -43,14 +43,13 @@ def test_score_kernels_use_wgmma_and_tma(report):
 
 @pytest.mark.compile
 def test_score_kernel_with_the_fused_histogram(report):
-    """``hist`` (the default mode, ``agg``): per key tile two warp matches and at most two shared
-    atomics per thread (one per score it writes), the histograms' two stores; bf16 d 128 fits
-    with 4 key stages; no spills."""
+    """``hist`` (its default mode, ``pad``): per key tile two shared atomics per thread (one per
+    score it writes), the histograms' two stores; bf16 d 128 fits with 4 key stages; no spills."""
     r = report["sm90_indexer_score_bf16_h64_d128_hist"]
     sass, base = _common(r)
     assert 0 < r["smem_bytes"] <= SMEM_LIMIT
     assert sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
-    assert sass.get("ATOMS.ADD", 0) == 2 and sass.get("MATCH.ANY", 0) == 2
+    assert sass.get("ATOMS.ADD", 0) == 2 and sass.get("MATCH.ANY", 0) == 0
     assert base.get("STG", 0) == _common(report["sm90_indexer_score_bf16_h64_d128"])[1].get("STG", 0) + 2
     sass, base = _common(report["sm90_indexer_topk_hist"])
     assert base.get("HGMMA", 0) == 0
@@ -77,7 +76,7 @@ def test_fused_histogram_settings(monkeypatch):
     monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "0")
     assert indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=True)) == ""
     monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "sometimes")
-    with pytest.raises(ValueError, match="plain, pad, agg"):
+    with pytest.raises(ValueError, match="plain, pad"):
         indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=True))
     with pytest.raises(ValueError, match="h_idx 64"):
         IndexerScoreSm90(False, 32, 128, hist=True)

@@ -40,9 +40,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
                     help="comma-separated: topk, topk_fp8, topk_nohist (both top-k rows with "
-                         "MLA_KERNELS_INDEXER_TOPK_HIST=0: the first histogram by a pass over the row instead of "
-                         "fused into the score kernel), hist_modes (both top-k rows with each fused-histogram "
-                         "mode: 0, plain, pad, agg), loss, loss_det, loss_shuffled (the loss, default and "
+                         "MLA_KERNELS_INDEXER_TOPK_HIST=0, the default: the first histogram by a pass over the row "
+                         "instead of fused into the score kernel), hist_modes (both top-k rows with each fused-histogram "
+                         "mode: 0, plain, pad), loss, loss_det, loss_shuffled (the loss, default and "
                          "deterministic, with each row's slots in a random order instead of indexer_topk's "
                          "ascending key order), loss_bulk (dk by bulk reduce), "
                          "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
@@ -142,7 +142,8 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
     dummy = host.dummy(torch.float32, ws.device, (1, 1))
     q2, k, w_eff, ks = ins[0]
     p = probs[0]
-    for fused in dict.fromkeys([ih.topk_hist(p), ""]):
+    # the default (no fused histogram) and the fused "pad" mode where it applies (s_kv < 65536)
+    for fused in dict.fromkeys([ih.topk_hist(p), ""] + (["pad"] if S < 65536 else [])):
         score, select = ih._score_fn(p, fused), ih._topk_fn(p, False, fused)
         hb = hist if fused else ih.no_hist("cuda")
 
@@ -243,7 +244,7 @@ def rows(args):
             finally:
                 os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
         if "hist_modes" in mine and cuda:
-            for mode in ("0", "plain", "pad", "agg"):
+            for mode in ("0", "plain", "pad"):
                 os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = mode
                 try:
                     _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, f"_hist{mode}")
@@ -415,7 +416,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
             variants += [("", True, False, 1, "", 0)] if fp8 else []  # k_scale in the epilogue (the old place)
         else:
             variants = [("", True, True, 1, "", 0), ("nostore", True, True, 1, "", 0), ("mma", True, True, 1, "", 0)]
-            variants += [("", True, True, 1, m, 0) for m in ("plain", "pad", "agg")]
+            variants += [("", True, True, 1, m, 0) for m in ("plain", "pad")]
             variants += [("", True, True, 1, "", 4)] if not fp8 else []  # the stages bf16 keeps with hist
         for prof, w_regs, ks_early, parts, hi, stages in variants:
             _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts,

@@ -8,7 +8,8 @@ launches.
   ``[s_q, s_kv]`` scores are never held whole.  With h_idx 64 and ``s_kv < 65536`` the score
   kernel also counts each row's first-digit histogram (``[rows, 2048]`` int32 beside the
   workspace, 8 KiB per row: 32 MiB at 4096 rows) and the top-k kernel starts from it instead of
-  reading the row once more (:data:`ENV_TOPK_HIST`).
+  reading the row once more -- an option (:data:`ENV_TOPK_HIST`), off by default: it measured
+  slower for bf16 and even for fp8 on an H200 (docs/PERF.md).
 * ``indexer_logits``: the score kernel into the caller's ``[s_q, s_kv]`` output, pre-filled with
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
@@ -56,13 +57,15 @@ ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 #: version) instead of from its shared selection bitmap.
 ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: ``0``: the top-k kernel counts its first histogram by reading the row (the first version)
-#: instead of taking the one the score kernel counted while writing it; ``plain``, ``pad`` or
-#: ``agg``: that mode of the score kernel's counting (``indexer_score.HIST_MODES``) for both
-#: dtypes; unset / ``1``: :data:`HIST_DEFAULT`.
+#: instead of taking the one the score kernel counted while writing it; ``plain`` or ``pad``:
+#: that mode of the score kernel's counting (``indexer_score.HIST_MODES``) for both dtypes;
+#: unset / ``1``: :data:`HIST_DEFAULT`.
 ENV_TOPK_HIST = "MLA_KERNELS_INDEXER_TOPK_HIST"
-#: The fused histogram's mode per input dtype by default ("" = not fused), see docs/PERF.md.
-HIST_DEFAULT = {"bf16": "agg", "fp8": "agg"}
-HIST_MODES = ("plain", "pad", "agg")
+#: The fused histogram's mode per input dtype by default ("" = not fused): off for both -- on an
+#: H200 at S 32k ``indexer_topk`` bf16 14.70 ms without / 15.70 plain / 15.79 pad, fp8 11.34 /
+#: 11.43 / 11.31 (docs/PERF.md).
+HIST_DEFAULT = {"bf16": "", "fp8": ""}
+HIST_MODES = ("plain", "pad")
 #: The fused first-digit histogram's bins (``indexer_score.BINS``, ``indexer_topk.BINS``).
 HIST_BINS = 2048
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)

@@ -47,9 +47,10 @@ writes them to ``hist[t - q0, :]`` (int32) at the end, so that the top-k kernel 
 row once more for its first histogram (``indexer_topk.py``, ``pre_hist``).  Modes
 (:data:`HIST_MODES`): ``plain`` -- one shared atomic per score (two per thread per key tile),
 rows 1024 words apart; ``pad`` -- rows :data:`HIST_PITCH` words apart, so that the same bin of
-the warp's 4 rows sits in 4 different banks; ``agg`` -- ``pad`` and the lanes of a warp that
-count the same (row, bin) found by ``match.any.sync`` and added by one atomic of their count
-(scores of one row crowd into a few bins).  ``hist=True`` is :data:`DEFAULT_HIST`.
+the warp's 4 rows sits in 4 different banks.  ``hist=True`` is :data:`DEFAULT_HIST`.  An option,
+off by default: on an H200 at S 32k the counting costs the score kernel more (bf16 +1.3 ms,
+fp8 +0.2 ms) than it saves the top-k kernel (-0.65 ms), see docs/PERF.md.  (A third mode that
+merged a warp's equal (row, bin) counts by ``match.any.sync`` first cost +4 ms: removed.)
 
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
@@ -78,10 +79,9 @@ BAR_W = 1  # the consumers' weights are in smem (and, with ``hist``, the histogr
 BAR_HIST = 2  # with ``hist``: every consumer's counts are in (the histograms are written out)
 BINS = 2048  # the top-k's first digit: the top 11 bits of the ordered key
 HIST_SHIFT = 21
-HIST_MODES = ("plain", "pad", "agg")
-DEFAULT_HIST = "agg"
-HIST_PITCH = BINS // 2 + 8  # words per row's counters in ``pad`` / ``agg``
-NO_COUNT = 0xFFFFFFFF  # ``agg``: a lane that counts nothing this step
+HIST_MODES = ("plain", "pad")
+DEFAULT_HIST = "pad"
+HIST_PITCH = BINS // 2 + 8  # words per row's counters in ``pad``
 
 
 def smem_atom_kind(row_bytes: int):
@@ -377,7 +377,6 @@ class IndexerScoreSm90:
                 idev.quad_reduce_scatter(vals, 2 * self.bq, lane)
                 for r in cutlass.range_constexpr(2):
                     key = key0 + row0 + 8 * r
-                    cnt_val = Uint32(NO_COUNT)  # agg: (row's word << 1 | half) this lane counts
                     if key < s_kv:
                         ks = Float32(1.0)
                         if const_expr(self.fp8 and self.ks_early):
@@ -400,21 +399,9 @@ class IndexerScoreSm90:
                                     # row (wg * bq + lane_quad * qpl + k) of the CTA, 16-bit counters
                                     if inr:
                                         kb = idev.ordered_key(v) >> Uint32(HIST_SHIFT)
-                                        if const_expr(self.hist_mode == "agg"):
-                                            cnt_val = Uint32(hist_row0 + k * self.pitch) * Uint32(2) + kb
-                                        else:
-                                            word = hist_row0 + k * self.pitch + Int32(kb >> Uint32(1))
-                                            inc = Int32(1) << Int32((kb & Uint32(1)) * Uint32(16))
-                                            cute.arch.atomic_add(sHist.iterator + word, inc)
-                    if const_expr(self.hist_mode == "agg"):
-                        # the warp's lanes counting the same (row, bin): one atomic by the lowest
-                        # (qpl == 1 at h 64: at most one count per lane and step)
-                        same = Uint32(cute.arch.match_sync(0xFFFFFFFF, cnt_val))
-                        lead = (same & Uint32(cute.arch.lanemask_lt())) == Uint32(0)
-                        if lead and cnt_val != Uint32(NO_COUNT):
-                            n_same = Int32(cute.arch.popc(same))
-                            inc = n_same << Int32((cnt_val & Uint32(1)) * Uint32(16))
-                            cute.arch.atomic_add(sHist.iterator + Int32(cnt_val >> Uint32(1)), inc)
+                                        word = hist_row0 + k * self.pitch + Int32(kb >> Uint32(1))
+                                        inc = Int32(1) << Int32((kb & Uint32(1)) * Uint32(16))
+                                        cute.arch.atomic_add(sHist.iterator + word, inc)
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
