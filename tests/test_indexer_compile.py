@@ -19,7 +19,7 @@ def report():
     cr = compile_report_module()
     only = {"sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128", "sm90_indexer_topk_logits",
             "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen",
-            "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist"}
+            "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist", "sm90_indexer_loss_fwd_d128_rotate"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
 
@@ -100,6 +100,8 @@ def test_topk_kernel_is_plain_simt(report):
 def test_loss_kernels(report):
     sass, base = _common(report["sm90_indexer_loss_fwd_d128"])
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 8 and base.get("LDGSTS", 0) > 0
+    sass, base = _common(report["sm90_indexer_loss_fwd_d128_rotate"])  # the rotated block order: same MMAs
+    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 8 and base.get("LDGSTS", 0) > 0
     sass, base = _common(report["sm90_indexer_loss_bwd_d128"])
     # S^T (8 k-steps) + dK (2 chunks x 4) on 64x64; dq on 64x128 (4 k-steps); dK by 16-byte atomics
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 16 and sass.get("HGMMA.64x128x16.F32.BF16", 0) == 4
@@ -159,6 +161,13 @@ def test_loss_and_sum_settings(monkeypatch):
     assert indexer_host._loss_prefetch() is True
     monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, "0")
     assert indexer_host._loss_prefetch() is False
+    monkeypatch.delenv(indexer_host.ENV_LOSS_ROTATE, raising=False)
+    assert indexer_host._loss_rotate() is False  # off until measured
+    monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "1")
+    assert indexer_host._loss_rotate() is True
+    monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        indexer_host._loss_rotate()
 
 
 def test_topk_workspace_rows():

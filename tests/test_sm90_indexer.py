@@ -500,6 +500,33 @@ def test_loss_prefetch_matches_the_first_version(d, tl, monkeypatch):
     assert rel_l2(out["1"][0].float(), want) <= 1e-3
 
 
+@pytest.mark.parametrize("d,tl,topk,pf", [(128, True, 300, "1"), (64, False, 300, "1"), (64, True, 4100, "1"),
+                                         (128, True, 300, "0")])
+def test_loss_forward_rotated_blocks_bitwise(d, tl, topk, pf, monkeypatch):
+    """MLA_KERNELS_INDEXER_LOSS_ROTATE=1 (each query visits its slot blocks from block
+    ``t mod n``): the logits land in the same slots and every reduction runs after the blocks,
+    so the loss rows and (through lse and 1/tsum) the deterministic gradients are bitwise those
+    of the ascending visit -- partial last blocks, topk_length, invalid / duplicate slots, an
+    empty row, with and without the one-block-ahead loads."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, pf)
+    s_q = 150 if topk < 1000 else 64
+    q, k, w, idx, tgt, lens = loss_case(s_q, 700, topk, d, seed=19, tl=tl)
+    g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(6)).cuda()
+    out = {}
+    for rot in ("1", "0"):
+        monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, rot)
+        rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
+        out[rot] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+    torch.cuda.synchronize()
+    for a, b in zip(out["1"], out["0"]):
+        assert torch.equal(a, b)
+    want = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)[0]
+    assert rel_l2(out["1"][0].float(), want) <= 1e-3
+
+
 @pytest.mark.parametrize("mag", [2.0 ** -30, 2.0 ** 24])
 def test_loss_backward_fixed_point_dk_far_from_one(mag, monkeypatch):
     """The fixed-point scale follows the gradients' magnitude (tiny or huge weights): the

@@ -44,7 +44,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "instead of fused into the score kernel), hist_modes (both top-k rows with each fused-histogram "
                          "mode: 0, plain, pad), loss, loss_det, loss_shuffled (the loss, default and "
                          "deterministic, with each row's slots in a random order instead of indexer_topk's "
-                         "ascending key order), loss_bulk (dk by bulk reduce), "
+                         "ascending key order), loss_rotate (the loss forward and forward + backward with "
+                         "MLA_KERNELS_INDEXER_LOSS_ROTATE=1: each query's blocks visited from block t mod n), "
+                         "loss_bulk (dk by bulk reduce), "
                          "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
@@ -259,7 +261,7 @@ def rows(args):
         if "score_profile_old" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=True)
         loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch",
-                      "loss_shuffled")
+                      "loss_shuffled", "loss_rotate")
         if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
@@ -276,13 +278,15 @@ def rows(args):
             if "loss_det_modes" in mine and cuda:
                 variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
             variants += [(False, "shuffled"), (True, "shuffled")] if "loss_shuffled" in mine else []
+            variants += [(False, "rotate")] if ("loss_rotate" in mine and cuda) else []
             for det, dk in variants:
                 tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
                 # "shuffled": each row's valid slots (and their targets) in a random order, the
                 # -1 padding kept at the end -- what the default rows get in ascending key order
                 idx, tgt = (shuffle_slots(idx_sorted, tgt_sorted, ln, seed=2) if dk == "shuffled"
                             else (idx_sorted, tgt_sorted))
-                if dk == "shuffled":
+                os.environ["MLA_KERNELS_INDEXER_LOSS_ROTATE"] = "1" if dk == "rotate" else "0"
+                if dk in ("shuffled", "rotate"):
                     dk = ""
                 os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
@@ -311,6 +315,7 @@ def rows(args):
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
             os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
+            os.environ.pop("MLA_KERNELS_INDEXER_LOSS_ROTATE", None)
             del leaves
         if peer is not None:
             _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)

@@ -129,6 +129,7 @@ def indexer_kernels():
         ("sm90_indexer_topk_logits", lambda a, **kw: compile_topk(True, a, **kw)),
         ("sm90_indexer_topk_hist", lambda a, **kw: compile_topk(False, a, pre_hist=True, **kw)),
         ("sm90_indexer_loss_fwd_d128", lambda a, **kw: compile_loss_fwd(128, False, 2048, a, **kw)),
+        ("sm90_indexer_loss_fwd_d128_rotate", lambda a, **kw: compile_loss_fwd(128, True, 2048, a, rotate=True, **kw)),
         ("sm90_indexer_loss_bwd_d128", lambda a, **kw: compile_loss_bwd(128, False, False, a, **kw)),
         ("sm90_indexer_loss_bwd_d128_det_topklen", lambda a, **kw: compile_loss_bwd(128, True, True, a, **kw)),
     ]

@@ -74,6 +74,10 @@ ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
 #: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
 #: first version) instead of one block ahead.
 ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
+#: ``1``: the loss forward visits each query's slot blocks from block ``t mod n`` on (rotated), so
+#: that concurrent CTAs gather from different bands of keys; bitwise the same outputs.  Off by
+#: default until measured (``indexer_loss_fwd.py``).
+ENV_LOSS_ROTATE = "MLA_KERNELS_INDEXER_LOSS_ROTATE"
 #: Independent FMA chains per head sum in the score and loss kernels (default 1, the serial chain
 #: = :data:`~mla_kernels.common.indexer_device.SUM_PARTS`; 2 / 4 / 8 split it, see docs/PERF.md).
 ENV_SUM_PARTS = "MLA_KERNELS_INDEXER_SUM_PARTS"
@@ -166,10 +170,10 @@ def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False):
     return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist)
 
 
-def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1):
+def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1, rotate=False):
     from .indexer_loss_fwd import compile_loss_fwd
 
-    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts)
+    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts, rotate=rotate)
 
 
 def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts=1):
@@ -180,6 +184,13 @@ def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts
 
 def _loss_prefetch() -> bool:
     return os.environ.get(ENV_LOSS_PREFETCH, "1").strip() != "0"
+
+
+def _loss_rotate() -> bool:
+    v = os.environ.get(ENV_LOSS_ROTATE, "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_LOSS_ROTATE}={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 def topk_hist(p) -> str:
@@ -302,9 +313,9 @@ def run_loss_fwd(p):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     cap = 2048 if topk_p <= 2048 else MAX_TOPK
     has_tl, arch = p.topk_length is not None, _arch(p)
-    pf, parts = _loss_prefetch(), sum_parts()
-    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, parts, arch),
-                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf, parts))
+    pf, parts, rot = _loss_prefetch(), sum_parts(), _loss_rotate()
+    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, parts, rot, arch),
+                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf, parts, rot))
     loss = host.alloc((p.s_q,), torch.float32, p.device)
     lse = host.alloc((p.s_q,), torch.float32, p.device)
     inv = host.alloc((p.s_q,), torch.float32, p.device)
