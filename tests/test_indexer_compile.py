@@ -18,7 +18,8 @@ SMEM_LIMIT = 232448
 def report():
     cr = compile_report_module()
     only = {"sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128", "sm90_indexer_topk_logits",
-            "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen"}
+            "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen",
+            "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist", "sm90_indexer_loss_fwd_d128_rotate"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
 
@@ -41,6 +42,55 @@ def test_score_kernels_use_wgmma_and_tma(report):
 
 
 @pytest.mark.compile
+def test_score_kernel_with_the_fused_histogram(report):
+    """``hist`` (its default mode, ``pad``): per key tile two shared atomics per thread (one per
+    score it writes), the histograms' two stores; bf16 d 128 fits with 4 key stages; no spills."""
+    r = report["sm90_indexer_score_bf16_h64_d128_hist"]
+    sass, base = _common(r)
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT
+    assert sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
+    assert sass.get("ATOMS.ADD", 0) == 2 and sass.get("MATCH.ANY", 0) == 0
+    assert base.get("STG", 0) == _common(report["sm90_indexer_score_bf16_h64_d128"])[1].get("STG", 0) + 2
+    sass, base = _common(report["sm90_indexer_topk_hist"])
+    assert base.get("HGMMA", 0) == 0
+
+
+def test_fused_histogram_settings(monkeypatch):
+    """Where ``indexer_topk`` fuses the first histogram into the score kernel: h_idx 64 and
+    ``s_kv < 65536`` (16-bit counters), unless MLA_KERNELS_INDEXER_TOPK_HIST=0."""
+    from types import SimpleNamespace as NS
+
+    from mla_kernels.sm90 import indexer_host
+    from mla_kernels.sm90.indexer_score import IndexerScoreSm90
+
+    monkeypatch.delenv(indexer_host.ENV_TOPK_HIST, raising=False)
+    for fp8, dt in ((False, "bf16"), (True, "fp8")):
+        assert indexer_host.topk_hist(NS(h=64, s_kv=65535, is_fp8=fp8)) == indexer_host.HIST_DEFAULT[dt]
+        assert indexer_host.topk_hist(NS(h=64, s_kv=65536, is_fp8=fp8)) == ""
+        assert indexer_host.topk_hist(NS(h=32, s_kv=1000, is_fp8=fp8)) == ""
+        assert indexer_host.topk_hist(NS(h=16, s_kv=1000, is_fp8=fp8)) == ""
+    for mode in indexer_host.HIST_MODES:
+        monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, mode)
+        assert indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=False)) == mode
+        assert indexer_host.topk_hist(NS(h=32, s_kv=1000, is_fp8=False)) == ""
+    monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "0")
+    assert indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=True)) == ""
+    monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "sometimes")
+    with pytest.raises(ValueError, match="plain, pad"):
+        indexer_host.topk_hist(NS(h=64, s_kv=1000, is_fp8=True))
+    with pytest.raises(ValueError, match="h_idx 64"):
+        IndexerScoreSm90(False, 32, 128, hist=True)
+    with pytest.raises(ValueError, match="expected one of"):
+        IndexerScoreSm90(False, 64, 128, hist="sometimes")
+    from mla_kernels.sm90 import indexer_score
+
+    assert indexer_score.HIST_MODES == indexer_host.HIST_MODES and indexer_score.BINS == indexer_host.HIST_BINS
+    assert IndexerScoreSm90(False, 64, 128, hist=True).stages == 4  # bf16 d 128: the histograms take a stage
+    assert IndexerScoreSm90(True, 64, 128, hist=True).stages == IndexerScoreSm90(True, 64, 128).stages == 8
+    assert not IndexerScoreSm90(False, 64, 128, profile="mma", hist=True).hist  # timing copies: never
+
+
+@pytest.mark.compile
 def test_topk_kernel_is_plain_simt(report):
     sass, base = _common(report["sm90_indexer_topk_logits"])
     assert base.get("ATOMS", 0) > 0 and base.get("HGMMA", 0) == 0
@@ -49,6 +99,8 @@ def test_topk_kernel_is_plain_simt(report):
 @pytest.mark.compile
 def test_loss_kernels(report):
     sass, base = _common(report["sm90_indexer_loss_fwd_d128"])
+    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 8 and base.get("LDGSTS", 0) > 0
+    sass, base = _common(report["sm90_indexer_loss_fwd_d128_rotate"])  # the rotated block order: same MMAs
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 8 and base.get("LDGSTS", 0) > 0
     sass, base = _common(report["sm90_indexer_loss_bwd_d128"])
     # S^T (8 k-steps) + dK (2 chunks x 4) on 64x64; dq on 64x128 (4 k-steps); dK by 16-byte atomics
@@ -109,6 +161,13 @@ def test_loss_and_sum_settings(monkeypatch):
     assert indexer_host._loss_prefetch() is True
     monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, "0")
     assert indexer_host._loss_prefetch() is False
+    monkeypatch.delenv(indexer_host.ENV_LOSS_ROTATE, raising=False)
+    assert indexer_host._loss_rotate() is False  # off until measured
+    monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "1")
+    assert indexer_host._loss_rotate() is True
+    monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        indexer_host._loss_rotate()
 
 
 def test_topk_workspace_rows():

@@ -59,3 +59,43 @@ def test_bench_py_runs_the_indexer_family_on_cpu(tmp_path, capsys):
     assert {r["op"] for r in rows} == {"indexer_topk_bf16", "indexer_topk_fp8", "indexer_loss_fwd",
                                        "indexer_loss_fwd_bwd", "indexer_loss_fwd_bwd_det"}
     assert all(r["impl"] == "reference" and r["ms"] > 0 and r["family"] == "indexer" for r in rows)
+
+
+def test_bench_indexer_shuffled_slots(tmp_path, capsys):
+    """``--cases loss_shuffled``: each row's valid slots and their targets permuted together
+    (the -1 padding kept at the end), so the loss and its gradients are those of the sorted
+    slots; the rows run on the CPU reference."""
+    import torch
+
+    import mla_kernels as mk
+
+    spec = importlib.util.spec_from_file_location("bench_indexer", os.path.join(ROOT, "tools", "bench_indexer.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(0)
+    s_q, s_kv, topk = 40, 90, 32
+    ln = torch.randint(0, topk + 1, (s_q,), generator=g).int()
+    idx = torch.full((s_q, topk), -1, dtype=torch.int32)
+    tgt = torch.zeros(s_q, topk)
+    for t in range(s_q):
+        n = int(ln[t])
+        idx[t, :n] = torch.randperm(s_kv, generator=g)[:n].sort().values.int()
+        tgt[t, :n] = torch.rand(n, generator=g)
+    si, st = mod.shuffle_slots(idx, tgt, ln, seed=3)
+    assert not torch.equal(si, idx)
+    for t in range(s_q):
+        n = int(ln[t])
+        assert (si[t, n:] == -1).all() and (st[t, n:] == 0).all()
+        assert sorted(si[t, :n].tolist()) == idx[t, :n].tolist()
+        pairs = dict(zip(idx[t, :n].tolist(), tgt[t, :n].tolist()))
+        assert all(pairs[i] == v for i, v in zip(si[t, :n].tolist(), st[t, :n].tolist()))
+    q = torch.randn(s_q, 64, 64, dtype=torch.float64, generator=g)
+    k = torch.randn(s_kv, 64, dtype=torch.float64, generator=g)
+    w = torch.randn(s_q, 64, dtype=torch.float64, generator=g)
+    a = mk.indexer_loss(q, k, w, idx, tgt.double(), topk_length=ln, reduction="none")
+    b = mk.indexer_loss(q, k, w, si, st.double(), topk_length=ln, reduction="none")
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    out = tmp_path / "b.json"
+    mod.main(["--reps", "1", "--warmup", "0", "--sets", "1", "--cases", "loss_shuffled", "--json", str(out)])
+    cases = {r["case"] for r in json.loads(out.read_text())["rows"]}
+    assert cases == {"loss_fwd_shuffled", "loss_fwd_bwd_shuffled", "loss_fwd_bwd_det_shuffled"}

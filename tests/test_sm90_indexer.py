@@ -293,6 +293,41 @@ def test_topk_blocks_and_poison(monkeypatch):
     assert torch.isneginf(one[2][one[0] < 0]).all()
 
 
+@pytest.mark.parametrize("mode", ["plain", "pad"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_topk_fused_histogram_matches_the_row_pass(fp8, mode, monkeypatch):
+    """The first-digit histogram counted by the score kernel (h_idx 64, s_kv < 65536), in each of
+    its counting modes, selects exactly what the top-k kernel's own pass over the row selects (indices,
+    lengths, logits bitwise): random inputs, integer-valued ones (heavy ties: rows whose threshold
+    bin holds more than the 4096 candidates), key ranges with an empty row, several workspace
+    blocks with a partial last one."""
+    from mla_kernels.api_indexer import make_indexer_problem
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    for integer, kind, s_q, s_kv, topk in ((False, "causal", 900, 3000, 256), (True, "ranges", 300, 6000, 100),
+                                           (False, "ranges", 500, 2900, 1000)):
+        monkeypatch.setattr(indexer_host, "WORKSPACE_BYTES", 200 * s_kv * 4)  # 192-row blocks
+        q, k, w, qs, ksc = rand_inputs(s_q, 64, 128, s_kv, seed=5 + s_q, fp8=fp8, integer=integer)
+        kst, ken = ranges(s_q, s_kv, kind, seed=3)
+        p = make_indexer_problem(q, k, w, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
+        monkeypatch.delenv(indexer_host.ENV_TOPK_HIST, raising=False)
+        assert indexer_host.topk_hist(p) == indexer_host.HIST_DEFAULT["fp8" if fp8 else "bf16"]
+        monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, mode)
+        assert indexer_host.topk_hist(p) == mode
+        fused = mk.indexer_topk(q, k, w, topk, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc,
+                                return_logits=True)
+        monkeypatch.setenv(indexer_host.ENV_TOPK_HIST, "0")
+        plain = mk.indexer_topk(q, k, w, topk, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc,
+                                return_logits=True)
+        torch.cuda.synchronize()
+        for a, b in zip(fused, plain):
+            assert torch.equal(a, b), (integer, kind)
+        if integer:  # exact scores: the reference's sets
+            want = ref.indexer_topk_ref(q, k, w, topk, 0.5, kst, ken, qs, ksc)
+            assert torch.equal(fused[0], want[0]) and torch.equal(fused[1], want[1])
+
+
 def test_topk_large_causal_sampled_rows(monkeypatch):
     """S = 32768 causal (4 workspace blocks by default... of 4096 rows: 8 blocks); 256 sampled rows
     against the reference; the extra memory stays within the workspace bound."""
@@ -458,6 +493,33 @@ def test_loss_prefetch_matches_the_first_version(d, tl, monkeypatch):
         monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, pf)
         rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
         out[pf] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+    torch.cuda.synchronize()
+    for a, b in zip(out["1"], out["0"]):
+        assert torch.equal(a, b)
+    want = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)[0]
+    assert rel_l2(out["1"][0].float(), want) <= 1e-3
+
+
+@pytest.mark.parametrize("d,tl,topk,pf", [(128, True, 300, "1"), (64, False, 300, "1"), (64, True, 4100, "1"),
+                                         (128, True, 300, "0")])
+def test_loss_forward_rotated_blocks_bitwise(d, tl, topk, pf, monkeypatch):
+    """MLA_KERNELS_INDEXER_LOSS_ROTATE=1 (each query visits its slot blocks from block
+    ``t mod n``): the logits land in the same slots and every reduction runs after the blocks,
+    so the loss rows and (through lse and 1/tsum) the deterministic gradients are bitwise those
+    of the ascending visit -- partial last blocks, topk_length, invalid / duplicate slots, an
+    empty row, with and without the one-block-ahead loads."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, pf)
+    s_q = 150 if topk < 1000 else 64
+    q, k, w, idx, tgt, lens = loss_case(s_q, 700, topk, d, seed=19, tl=tl)
+    g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(6)).cuda()
+    out = {}
+    for rot in ("1", "0"):
+        monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, rot)
+        rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
+        out[rot] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
     torch.cuda.synchronize()
     for a, b in zip(out["1"], out["0"]):
         assert torch.equal(a, b)

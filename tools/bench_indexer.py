@@ -39,13 +39,21 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seqs", default="32768,65536", help="comma-separated sequence lengths S")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cases", default="topk,topk_fp8,loss,loss_det",
-                    help="comma-separated: topk, topk_fp8, loss, loss_det, loss_bulk (dk by bulk reduce), "
+                    help="comma-separated: topk, topk_fp8, topk_nohist (both top-k rows with "
+                         "MLA_KERNELS_INDEXER_TOPK_HIST=0, the default: the first histogram by a pass over the row "
+                         "instead of fused into the score kernel), hist_modes (both top-k rows with each fused-histogram "
+                         "mode: 0, plain, pad), loss, loss_det, loss_shuffled (the loss, default and "
+                         "deterministic, with each row's slots in a random order instead of indexer_topk's "
+                         "ascending key order), loss_rotate (the loss forward and forward + backward with "
+                         "MLA_KERNELS_INDEXER_LOSS_ROTATE=1: each query's blocks visited from block t mod n), "
+                         "loss_bulk (dk by bulk reduce), "
                          "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
-                         "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; weights in "
-                         "registers or, _wsmem, read from smem per key tile; fp8 _kslate: k_scale loaded in the "
-                         "epilogue instead of before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
+                         "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; _hist<mode>: "
+                         "counting the fused histogram; _s4: 4 key stages), score_profile_old (weights read from "
+                         "smem per key tile, _wsmem; fp8 _kslate: k_scale loaded in the epilogue instead of "
+                         "before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
                          "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
                          "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4)")
     ap.add_argument("--peer-tar", default="",
@@ -126,28 +134,38 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
 
     probs = [make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale) for s in sets]
     ins = [ih._score_inputs(p) for p in probs]
-    score, select = ih._score_fn(probs[0]), ih._topk_fn(probs[0], False)
     rows = ih.block_rows(S, S)
-    ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
+    # every block's scores (and histograms) kept, so that each select reads what its score call
+    # wrote (a histogram must describe its row); the input set is fixed (sets rotate otherwise)
+    ws = torch.empty(S, S, dtype=torch.float32, device="cuda")
+    hist = torch.empty(S, ih.HIST_BINS, dtype=torch.int32, device="cuda")
     idx = torch.empty(S, TOPK, dtype=torch.int32, device="cuda")
     ln = torch.empty(S, dtype=torch.int32, device="cuda")
     dummy = host.dummy(torch.float32, ws.device, (1, 1))
+    q2, k, w_eff, ks = ins[0]
+    p = probs[0]
+    # the default (no fused histogram) and the fused "pad" mode where it applies (s_kv < 65536)
+    for fused in dict.fromkeys([ih.topk_hist(p), ""] + (["pad"] if S < 65536 else [])):
+        score, select = ih._score_fn(p, fused), ih._topk_fn(p, False, fused)
+        hb = hist if fused else ih.no_hist("cuda")
 
-    def f_score(i):
-        q2, k, w_eff, ks = ins[i]
-        p = probs[i]
-        for q0 in range(0, S, rows):
-            score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
+        def f_score(i, score=score, hb=hb, fused=fused):
+            for q0 in range(0, S, rows):
+                n = min(rows, S - q0)
+                score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[q0: q0 + n], hb[q0: q0 + n] if fused else hb, q0, S)
 
-    def f_select(i):
-        p = probs[i]
-        for q0 in range(0, S, rows):
-            select(ws[: min(rows, S - q0)], p.k_start, p.k_end, idx, ln, dummy, q0)
+        def f_select(i, select=select, hb=hb, fused=fused):
+            for q0 in range(0, S, rows):
+                n = min(rows, S - q0)
+                select(ws[q0: q0 + n], p.k_start, p.k_end, idx, ln, dummy, hb[q0: q0 + n] if fused else hb, q0)
 
-    med, ts = _time(f_score, args.sets, args.warmup, args.reps)
-    _row(out, "topk_part_scores", "ours", S, TOPK, med, ts, fl_scores)
-    med, ts = _time(f_select, args.sets, args.warmup, args.reps)
-    _row(out, "topk_part_select", "ours", S, TOPK, med, ts, None, None, f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+        tag = f"_hist{fused}" if fused else ""
+        med, ts = _time(f_score, 1, args.warmup, args.reps)
+        _row(out, "topk_part_scores" + tag, "ours", S, TOPK, med, ts, fl_scores)
+        med, ts = _time(f_select, 1, args.warmup, args.reps)
+        _row(out, "topk_part_select" + tag, "ours", S, TOPK, med, ts, None, None,
+             f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+    del ws, hist
 
 
 def _unpack_peer(tar: str) -> None:
@@ -221,17 +239,34 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
+        if "topk_nohist" in mine and cuda:
+            os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = "0"
+            try:
+                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_nohist")
+            finally:
+                os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
+        if "hist_modes" in mine and cuda:
+            for mode in ("0", "plain", "pad"):
+                os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = mode
+                try:
+                    _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, f"_hist{mode}")
+                finally:
+                    os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
         if "sum_parts" in mine and cuda:
             _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev)
         if "topk_parts" in mine and cuda:
             _topk_parts(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores)
-        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch")
+        if "score_profile_old" in mine and cuda:
+            _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=True)
+        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch",
+                      "loss_shuffled", "loss_rotate")
         if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
             tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
+            idx_sorted, tgt_sorted = idx, tgt
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
             # (deterministic, dk mode): MLA_KERNELS_INDEXER_DK (red, bulk, none) or
@@ -242,11 +277,20 @@ def rows(args):
             variants += [(False, "noprefetch"), (True, "noprefetch")] if ("loss_noprefetch" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
                 variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
+            variants += [(False, "shuffled"), (True, "shuffled")] if "loss_shuffled" in mine else []
+            variants += [(False, "rotate")] if ("loss_rotate" in mine and cuda) else []
             for det, dk in variants:
                 tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
+                # "shuffled": each row's valid slots (and their targets) in a random order, the
+                # -1 padding kept at the end -- what the default rows get in ascending key order
+                idx, tgt = (shuffle_slots(idx_sorted, tgt_sorted, ln, seed=2) if dk == "shuffled"
+                            else (idx_sorted, tgt_sorted))
+                os.environ["MLA_KERNELS_INDEXER_LOSS_ROTATE"] = "1" if dk == "rotate" else "0"
+                if dk in ("shuffled", "rotate"):
+                    dk = ""
                 os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
-                    "" if det and dk == "noprefetch" else ("red" if dk == "noprefetch" else dk))
+                    "" if det and dk in ("noprefetch", "") else ("red" if dk in ("noprefetch", "") else dk))
 
                 def fwd(i, det=det):
                     s = leaves[i]
@@ -263,7 +307,7 @@ def rows(args):
                     loss.backward()
                     return loss
 
-                if not det and dk in ("red", "noprefetch"):
+                if not det and dk in ("red", "noprefetch", ""):
                     med, ts = _time(fwd, args.sets, args.warmup, args.reps)
                     _row(out, "loss_fwd" + tag, ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
                 med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
@@ -271,6 +315,7 @@ def rows(args):
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
             os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
+            os.environ.pop("MLA_KERNELS_INDEXER_LOSS_ROTATE", None)
             del leaves
         if peer is not None:
             _peer_rows(out, peer, S, TOPK, sets, cases, args, scale, fl_scores, fl_pass)
@@ -278,6 +323,36 @@ def rows(args):
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def shuffle_slots(idx, tgt, length, seed=0):
+    """``(idx, tgt)`` with each row's first ``length[t]`` slots permuted at random (the same
+    permutation for both; the rest of the row kept): the same loss, another visiting order."""
+    s_q, topk = idx.shape
+    g = torch.Generator(device=idx.device).manual_seed(seed)
+    r = torch.rand(s_q, topk, device=idx.device, generator=g)
+    pos = torch.arange(topk, device=idx.device)[None, :]
+    valid = pos < length[:, None].long()
+    r = torch.where(valid, r, 2.0 + pos.float())  # invalid slots sort last, in place
+    perm = r.argsort(dim=1)
+    return idx.gather(1, perm), tgt.gather(1, perm)
+
+
+def _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, tag):
+    """``indexer_topk`` bf16 and fp8 rows (as the default cases) under the current environment."""
+    s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
+               qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+
+    def f16(i):
+        s = sets[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
+
+    def f8(i):
+        s = s8[i]
+        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"], k_scale=s["ks"])
+    for name, fn in (("topk_bf16", f16), ("topk_fp8", f8)):
+        med, ts = _time(fn, args.sets, args.warmup, args.reps)
+        _row(out, name + tag, "ours", S, TOPK, med, ts, fl_scores, _peak_mib(fn))
 
 
 def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
@@ -318,7 +393,7 @@ def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
         os.environ.pop("MLA_KERNELS_INDEXER_SUM_PARTS", None)
 
 
-def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
+def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
     """The score kernel over all row blocks (bf16 and fp8) as built, without its stores, and with
     the MMAs alone (``IndexerScoreSm90(profile=...)`` timing copies): where its time goes."""
     from mla_kernels import _compile
@@ -329,6 +404,7 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
     arch = _compile.arch_for_device(torch.device("cuda"))
     rows = ih.block_rows(S, S)
     ws = torch.empty(rows, S, dtype=torch.float32, device="cuda")
+    hist = torch.empty(rows, ih.HIST_BINS, dtype=torch.int32, device="cuda")
     for fp8 in (False, True):
         probs = []
         for s in sets:
@@ -339,20 +415,28 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        variants = [("", True, True, 1), ("nostore", True, True, 1), ("mma", True, True, 1), ("", False, True, 1),
-                    ("", True, True, 2), ("", True, True, 4)]
-        variants += [("", True, False, 1)] if fp8 else []  # k_scale loaded in the epilogue (the old place)
-        for prof, w_regs, ks_early, parts in variants:
-            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts)
+        # (profile, w_regs, ks_early, sum_parts, hist mode, stages)
+        if old:
+            variants = [("", False, True, 1, "", 0), ("", True, True, 2, "", 0), ("", True, True, 4, "", 0)]
+            variants += [("", True, False, 1, "", 0)] if fp8 else []  # k_scale in the epilogue (the old place)
+        else:
+            variants = [("", True, True, 1, "", 0), ("nostore", True, True, 1, "", 0), ("mma", True, True, 1, "", 0)]
+            variants += [("", True, True, 1, m, 0) for m in ("plain", "pad")]
+            variants += [("", True, True, 1, "", 4)] if not fp8 else []  # the stages bf16 keeps with hist
+        for prof, w_regs, ks_early, parts, hi, stages in variants:
+            _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts,
+                                  hist=hi, stages=stages)
+            hb = hist if hi else ih.no_hist("cuda")
 
-            def f(i, fn=fn):
+            def f(i, fn=fn, hb=hb):
                 q2, k, w_eff, ks = ins[i]
                 p = probs[i]
                 for q0 in range(0, S, rows):
-                    fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], q0, S)
+                    fn(q2, k, w_eff, ks, p.k_start, p.k_end, ws[: min(rows, S - q0)], hb, q0, S)
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
-                   + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}"))
+                   + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}")
+                   + (f"_hist{hi}" if hi else "") + (f"_s{stages}" if stages else ""))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

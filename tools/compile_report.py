@@ -131,8 +131,12 @@ def indexer_kernels():
         ("sm90_indexer_score_bf16_h64_d128", lambda a, **kw: compile_score(False, 64, 128, a, **kw)),
         ("sm90_indexer_score_fp8_h64_d128", lambda a, **kw: compile_score(True, 64, 128, a, **kw)),
         ("sm90_indexer_score_bf16_h16_d64", lambda a, **kw: compile_score(False, 16, 64, a, **kw)),
+        ("sm90_indexer_score_bf16_h64_d128_hist", lambda a, **kw: compile_score(False, 64, 128, a, hist=True, **kw)),
+        ("sm90_indexer_score_fp8_h64_d128_hist", lambda a, **kw: compile_score(True, 64, 128, a, hist=True, **kw)),
         ("sm90_indexer_topk_logits", lambda a, **kw: compile_topk(True, a, **kw)),
+        ("sm90_indexer_topk_hist", lambda a, **kw: compile_topk(False, a, pre_hist=True, **kw)),
         ("sm90_indexer_loss_fwd_d128", lambda a, **kw: compile_loss_fwd(128, False, 2048, a, **kw)),
+        ("sm90_indexer_loss_fwd_d128_rotate", lambda a, **kw: compile_loss_fwd(128, True, 2048, a, rotate=True, **kw)),
         ("sm90_indexer_loss_bwd_d128", lambda a, **kw: compile_loss_bwd(128, False, False, a, **kw)),
         ("sm90_indexer_loss_bwd_d128_det_topklen", lambda a, **kw: compile_loss_bwd(128, True, True, a, **kw)),
     ]

@@ -30,6 +30,8 @@ import sanitize  # noqa: E402  (the log parser, the sanitizer lookup and options
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 MARK = "@@SANITIZE_INDEXER"
+#: ``--only``: comma-separated substrings of the step names to run (the workload reads it)
+ENV_ONLY = "SANITIZE_INDEXER_ONLY"
 
 
 def workload() -> int:
@@ -44,8 +46,12 @@ def workload() -> int:
     g = torch.Generator().manual_seed(0)
     fails = 0
 
+    only = [x for x in os.environ.get(ENV_ONLY, "").split(",") if x]
+
     def step(name, fn):
         nonlocal fails
+        if only and not any(x in name for x in only):
+            return
         print(f"{MARK} BEGIN {name}", flush=True)
         try:
             ok = bool(fn())
@@ -80,7 +86,16 @@ def workload() -> int:
             return all(torch.equal(a, b.to(a.dtype)) for a, b in zip(got, want))
 
         step(f"score+topk logits {tag}", logits)
-        step(f"score+topk topk {tag}", topk)
+        step(f"score+topk topk {tag}", topk)  # the default fused-histogram mode
+        for mode in ("0",) + indexer_host.HIST_MODES:  # the row pass and every counting mode
+            def topk_mode(q=q, k=k, sc=sc, mode=mode):
+                os.environ[indexer_host.ENV_TOPK_HIST] = mode
+                try:
+                    return topk(q, k, sc)
+                finally:
+                    os.environ.pop(indexer_host.ENV_TOPK_HIST, None)
+
+            step(f"score+topk topk {tag} hist={mode}", topk_mode)
 
     def select_paths():
         ld, topk = 6000, 100
@@ -152,7 +167,11 @@ def main(argv=None) -> int:
     ap.add_argument("--log-dir", default="sanitize-indexer-logs")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--workload", action="store_true", help="run the steps in-process (no sanitizer)")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the steps whose names "
+                                                "contain one (e.g. 'topk' or 'loss bwd')")
     args = ap.parse_args(argv)
+    if args.only:
+        os.environ[ENV_ONLY] = args.only
     if args.workload:
         return 1 if workload() else 0
     import torch

@@ -218,11 +218,18 @@ class SparseKeyRing:
     ``prefetch``: the indices of the next block are loaded (into a second register slot) when a
     block is issued, so that a block's ``cp.async`` addresses are ready when it is issued instead
     of waiting for the index loads (the first version: index load, then the dependent copies).
-    Blocks must then be issued in order from :meth:`start`'s block 0."""
+    Blocks must then be issued in order from :meth:`start`'s block 0.
 
-    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32, prefetch: bool = True):
+    ``rot`` (a dynamic Int32 in ``[0, num_blocks)``, with ``num_blocks``): block ``b`` of the
+    issue order is the row's slot block :meth:`phys` ``(b) = (b + rot) mod num_blocks`` -- the
+    same blocks in a rotated order (stages still in issue order)."""
+
+    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32, prefetch: bool = True,
+                 rot=None, num_blocks=None):
         from .gather import KvGather
 
+        self.rot = rot
+        self.nb = num_blocks
         self.prefetch = prefetch
         self.gather = KvGather(mK, mIdx, t, topk_len, tidx, d, slots=2 if prefetch else 1)
         self.stages = stages
@@ -236,11 +243,19 @@ class SparseKeyRing:
     def __new_from_mlir_values__(self, values):
         return self
 
+    def phys(self, block):
+        """The slot block that issue-order block ``block`` reads (itself without ``rot``; past
+        the last block a harmless one: clamped slots or a block loaded and not copied)."""
+        if self.rot is None:
+            return block
+        p = block + self.rot
+        return Int32(cutlass.select_(p >= self.nb, p - self.nb, p))
+
     @cute.jit
     def start(self) -> None:
         """With ``prefetch``: load block 0's indices (call once, before the first :meth:`issue`)."""
         if const_expr(self.prefetch):
-            self.gather.load_indices(Int32(0), 1)
+            self.gather.load_indices(self.phys(Int32(0)), 1)
 
     @cute.jit
     def issue(self, block: Int32, num_blocks: Int32) -> None:
@@ -253,12 +268,12 @@ class SparseKeyRing:
             for j in cutlass.range_constexpr(g.rows_per_thread):
                 g.src[0, j] = g.src[1, j]
                 g.ok[0, j] = g.ok[1, j]
-            g.load_indices(block + 1, 1)
+            g.load_indices(self.phys(block + 1), 1)
             if block < num_blocks:
                 g.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
         else:
             if block < num_blocks:
-                self.gather.load_indices(block, 0)
+                self.gather.load_indices(self.phys(block), 0)
                 self.gather.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, 0, 0, self.n_tiles)
         cute.arch.cp_async_commit_group()
 

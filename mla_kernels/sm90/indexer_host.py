@@ -5,7 +5,11 @@ launches.
   workspace ``[rows, s_kv]`` of at most :data:`WORKSPACE_BYTES` (512 MiB: 4096 rows at
   s_kv 32k, 2048 at 64k, 1024 at 128k): the score kernel (``indexer_score.py``) fills the
   block's in-range scores, the top-k kernel (``indexer_topk.py``) selects each row's keys.  The
-  ``[s_q, s_kv]`` scores are never held whole.
+  ``[s_q, s_kv]`` scores are never held whole.  With h_idx 64 and ``s_kv < 65536`` the score
+  kernel also counts each row's first-digit histogram (``[rows, 2048]`` int32 beside the
+  workspace, 8 KiB per row: 32 MiB at 4096 rows) and the top-k kernel starts from it instead of
+  reading the row once more -- an option (:data:`ENV_TOPK_HIST`), off by default: it measured
+  slower for bf16 and even for fp8 on an H200 (docs/PERF.md).
 * ``indexer_logits``: the score kernel into the caller's ``[s_q, s_kv]`` output, pre-filled with
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
@@ -52,12 +56,28 @@ ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 #: ``0``: the top-k kernel always writes its selection by a third pass over the row (the first
 #: version) instead of from its shared selection bitmap.
 ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
+#: ``0``: the top-k kernel counts its first histogram by reading the row (the first version)
+#: instead of taking the one the score kernel counted while writing it; ``plain`` or ``pad``:
+#: that mode of the score kernel's counting (``indexer_score.HIST_MODES``) for both dtypes;
+#: unset / ``1``: :data:`HIST_DEFAULT`.
+ENV_TOPK_HIST = "MLA_KERNELS_INDEXER_TOPK_HIST"
+#: The fused histogram's mode per input dtype by default ("" = not fused): off for both -- on an
+#: H200 at S 32k ``indexer_topk`` bf16 14.70 ms without / 15.70 plain / 15.79 pad, fp8 11.34 /
+#: 11.43 / 11.31 (docs/PERF.md).
+HIST_DEFAULT = {"bf16": "", "fp8": ""}
+HIST_MODES = ("plain", "pad")
+#: The fused first-digit histogram's bins (``indexer_score.BINS``, ``indexer_topk.BINS``).
+HIST_BINS = 2048
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
 #: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
 #: first version) instead of one block ahead.
 ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
+#: ``1``: the loss forward visits each query's slot blocks from block ``t mod n`` on (rotated), so
+#: that concurrent CTAs gather from different bands of keys; bitwise the same outputs.  Off by
+#: default until measured (``indexer_loss_fwd.py``).
+ENV_LOSS_ROTATE = "MLA_KERNELS_INDEXER_LOSS_ROTATE"
 #: Independent FMA chains per head sum in the score and loss kernels (default 1, the serial chain
 #: = :data:`~mla_kernels.common.indexer_device.SUM_PARTS`; 2 / 4 / 8 split it, see docs/PERF.md).
 ENV_SUM_PARTS = "MLA_KERNELS_INDEXER_SUM_PARTS"
@@ -138,22 +158,22 @@ def sum_parts() -> int:
     return int(v)
 
 
-def _compile_score(fp8, h, d, arch, w_regs, parts=1):
+def _compile_score(fp8, h, d, arch, w_regs, parts=1, hist=False):
     from .indexer_score import compile_score
 
-    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts)
+    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts, hist=hist)
 
 
-def _compile_topk(return_logits, arch, batch, bitmap):
+def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False):
     from .indexer_topk import compile_topk
 
-    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap)
+    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist)
 
 
-def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1):
+def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1, rotate=False):
     from .indexer_loss_fwd import compile_loss_fwd
 
-    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts)
+    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts, rotate=rotate)
 
 
 def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts=1):
@@ -166,22 +186,50 @@ def _loss_prefetch() -> bool:
     return os.environ.get(ENV_LOSS_PREFETCH, "1").strip() != "0"
 
 
-def _score_fn(p):
+def _loss_rotate() -> bool:
+    v = os.environ.get(ENV_LOSS_ROTATE, "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_LOSS_ROTATE}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def topk_hist(p) -> str:
+    """The mode in which ``indexer_topk`` fuses the first-digit histogram into the score kernel,
+    or ``""`` (not fused): only at h_idx 64 (8 queries per score CTA: 32 KiB of shared 16-bit
+    counters) and ``s_kv < 65536`` (no row has 65,536 keys in range, so no counter overflows);
+    :data:`ENV_TOPK_HIST` chooses (``0``: off), else :data:`HIST_DEFAULT` of the dtype."""
+    v = os.environ.get(ENV_TOPK_HIST, "").strip().lower()
+    if v not in ("", "0", "1") + HIST_MODES:
+        raise ValueError(f"{ENV_TOPK_HIST}={v!r}: expected 0, 1, {', '.join(HIST_MODES)}")
+    if p.h != 64 or p.s_kv >= 65536 or v == "0":
+        return ""
+    if v in HIST_MODES:
+        return v
+    return HIST_DEFAULT["fp8" if getattr(p, "is_fp8", False) else "bf16"]
+
+
+def _score_fn(p, hist: str = ""):
     fp8, arch = p.is_fp8, _arch(p)
     w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
     parts = sum_parts()
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, arch),
-                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts))
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, hist, arch),
+                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist))
 
 
-def _topk_fn(p, return_logits: bool):
+def _topk_fn(p, return_logits: bool, pre_hist=False):
     arch = _arch(p)
     batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
     if batch not in (1, 2, 4, 8):
         raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
     bitmap = os.environ.get(ENV_TOPK_MAP, "1").strip() != "0"
-    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, arch),
-                  lambda: _compile_topk(return_logits, arch, batch, bitmap))
+    pre_hist = bool(pre_hist)
+    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, pre_hist, arch),
+                  lambda: _compile_topk(return_logits, arch, batch, bitmap, pre_hist))
+
+
+def no_hist(device) -> torch.Tensor:
+    """The placeholder histogram argument of a score / top-k kernel built without ``hist``."""
+    return host.dummy(torch.int32, device, (1, HIST_BINS))
 
 
 #: The score kernel's query tiles (up to 32 queries per CTA at h_idx 16) must not straddle blocks.
@@ -198,26 +246,28 @@ def block_rows(s_q: int, s_kv: int) -> int:
 def run_logits(p) -> torch.Tensor:
     out = torch.full((p.s_q, p.s_kv), float("-inf"), dtype=torch.float32, device=p.device)
     q2, k, w_eff, ks = _score_inputs(p)
-    _score_fn(p)(q2, k, w_eff, ks, p.k_start, p.k_end, out, 0, p.s_kv)
+    _score_fn(p)(q2, k, w_eff, ks, p.k_start, p.k_end, out, no_hist(p.device), 0, p.s_kv)
     return out
 
 
 def run_topk(p, topk: int, return_logits: bool):
     dev = p.device
     q2, k, w_eff, ks = _score_inputs(p)
-    score = _score_fn(p)
-    select = _topk_fn(p, return_logits)
+    fused = topk_hist(p)
+    score = _score_fn(p, fused)
+    select = _topk_fn(p, return_logits, fused)
     indices = host.alloc((p.s_q, topk), torch.int32, dev)
     length = host.alloc((p.s_q,), torch.int32, dev)
     logits = host.alloc((p.s_q, topk), torch.float32, dev) if return_logits else host.dummy(
         torch.float32, dev, (1, 1))
     rows = block_rows(p.s_q, p.s_kv)
     ws = torch.empty(rows, p.s_kv, dtype=torch.float32, device=dev)
+    hist = torch.empty(rows, HIST_BINS, dtype=torch.int32, device=dev) if fused else no_hist(dev)
     for q0 in range(0, p.s_q, rows):
         n = min(rows, p.s_q - q0)
         block = ws[:n]
-        score(q2, k, w_eff, ks, p.k_start, p.k_end, block, q0, p.s_kv)
-        select(block, p.k_start, p.k_end, indices, length, logits, q0)
+        score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist, q0, p.s_kv)
+        select(block, p.k_start, p.k_end, indices, length, logits, hist, q0)
     return (indices, length, logits) if return_logits else (indices, length)
 
 
@@ -235,7 +285,7 @@ def select_rows(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor
     indices = host.alloc((s_q, topk), torch.int32, dev)
     length = host.alloc((s_q,), torch.int32, dev)
     logits = host.alloc((s_q, topk), torch.float32, dev) if return_logits else host.dummy(torch.float32, dev, (1, 1))
-    select(scores, k_start, k_end, indices, length, logits, 0)
+    select(scores, k_start, k_end, indices, length, logits, no_hist(dev), 0)
     return (indices, length, logits) if return_logits else (indices, length)
 
 
@@ -263,9 +313,9 @@ def run_loss_fwd(p):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     cap = 2048 if topk_p <= 2048 else MAX_TOPK
     has_tl, arch = p.topk_length is not None, _arch(p)
-    pf, parts = _loss_prefetch(), sum_parts()
-    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, parts, arch),
-                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf, parts))
+    pf, parts, rot = _loss_prefetch(), sum_parts(), _loss_rotate()
+    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, parts, rot, arch),
+                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf, parts, rot))
     loss = host.alloc((p.s_q,), torch.float32, p.device)
     lse = host.alloc((p.s_q,), torch.float32, p.device)
     inv = host.alloc((p.s_q,), torch.float32, p.device)

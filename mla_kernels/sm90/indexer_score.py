@@ -39,6 +39,19 @@ another between the ReLUs; 2 and 4 interleave them at the cost of a few FADDs --
 moved ``indexer_topk`` fp8 by -0.3 / -0.2 ms and bf16 by +0.4 / +1.7 ms in one run, so they stay
 options).
 
+``hist`` (``h == 64``): each CTA also counts its rows' in-range scores in shared 2048-bin
+histograms of the top-k's first radix digit (the top 11 bits of
+:func:`~mla_kernels.common.indexer_device.ordered_key`; 16-bit counters, two per word, so a row
+must have fewer than 65,536 keys in range: the host asks for it only when ``s_kv < 65536``) and
+writes them to ``hist[t - q0, :]`` (int32) at the end, so that the top-k kernel does not read each
+row once more for its first histogram (``indexer_topk.py``, ``pre_hist``).  Modes
+(:data:`HIST_MODES`): ``plain`` -- one shared atomic per score (two per thread per key tile),
+rows 1024 words apart; ``pad`` -- rows :data:`HIST_PITCH` words apart, so that the same bin of
+the warp's 4 rows sits in 4 different banks.  ``hist=True`` is :data:`DEFAULT_HIST`.  An option,
+off by default: on an H200 at S 32k the counting costs the score kernel more (bf16 +1.3 ms,
+fp8 +0.2 ms) than it saves the top-k kernel (-0.65 ms), see docs/PERF.md.  (A third mode that
+merged a warp's equal (row, bin) counts by ``match.any.sync`` first cost +4 ms: removed.)
+
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
 """
@@ -51,7 +64,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
@@ -62,7 +75,13 @@ BM = 64  # keys per consumer tile (the wgmma M)
 BN = 256  # (query, head) columns per CTA (the wgmma N)
 THREADS = 384
 SMEM_LIMIT = 232448
-BAR_W = 1  # the consumers' weights are in smem
+BAR_W = 1  # the consumers' weights are in smem (and, with ``hist``, the histograms zeroed / complete)
+BAR_HIST = 2  # with ``hist``: every consumer's counts are in (the histograms are written out)
+BINS = 2048  # the top-k's first digit: the top 11 bits of the ordered key
+HIST_SHIFT = 21
+HIST_MODES = ("plain", "pad")
+DEFAULT_HIST = "pad"
+HIST_PITCH = BINS // 2 + 8  # words per row's counters in ``pad``
 
 
 def smem_atom_kind(row_bytes: int):
@@ -78,7 +97,7 @@ class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
     def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True,
-                 sum_parts: int = idev.SUM_PARTS):
+                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
@@ -96,7 +115,22 @@ class IndexerScoreSm90:
         self.d = d
         self.bq = BN // h  # queries per consumer warpgroup
         self.cq = 2 * self.bq  # queries per CTA
-        self.stages = 5 if (d * self.elem) == 256 else 8
+        self.stages = stages or (5 if (d * self.elem) == 256 else 8)
+        if hist is True:
+            hist = DEFAULT_HIST
+        if hist and hist not in HIST_MODES:
+            raise ValueError(f"hist {hist!r}: expected one of {HIST_MODES}")
+        self.hist_mode = hist if (hist and profile == "") else ""
+        self.hist = bool(self.hist_mode)
+        self.pitch = BINS // 2 if self.hist_mode == "plain" else HIST_PITCH
+        if self.hist:
+            if h != 64:
+                raise ValueError(f"the fused histogram takes h_idx 64 (8 queries per CTA), got {h}")
+            # the histograms (8 rows of counters) beside Q, K and the weights: fewer key stages
+            # where they would not fit (bf16 d 128: 4 instead of 5)
+            fixed = 2 * BN * d * self.elem + self.cq * self.pitch * 4 + 2 * BN * 4 + 512
+            while fixed + self.stages * BM * d * self.elem > SMEM_LIMIT:
+                self.stages -= 1
         self.regs_consumer = 232
         self.regs_producer = 40
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -117,6 +151,7 @@ class IndexerScoreSm90:
         mStart: cute.Tensor,  # [s_q] int32
         mEnd: cute.Tensor,  # [s_q] int32
         mOut: cute.Tensor,  # [rows, ld] f32: row r is query q0 + r
+        mHist: cute.Tensor,  # [>= rows, 2048] int32 (out; written only with ``hist``)
         q0: Int32,  # a multiple of 256 / h
         s_kv: Int32,  # keys (mK may carry zero rows past them: a TMA box is not taller than its tensor)
         stream,
@@ -136,13 +171,14 @@ class IndexerScoreSm90:
             sW: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BN], 16]
             pipe: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             bar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            hist: cute.struct.Align[cute.struct.MemRange[Int32, self.cq * self.pitch if self.hist else 4], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
         rows = mOut.shape[0]
         n_tiles = (rows + (self.cq - 1)) // self.cq
         self.kernel(
-            mW, mKScale, mStart, mEnd, mOut, q0, s_kv, tma_atom_q, tma_q, tma_atom_k, tma_k,
+            mW, mKScale, mStart, mEnd, mOut, mHist, q0, s_kv, tma_atom_q, tma_q, tma_atom_k, tma_k,
             sQ_layout, sK_layout, SharedStorage, n_tiles,
         ).launch(grid=[n_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
@@ -155,6 +191,7 @@ class IndexerScoreSm90:
         mStart: cute.Tensor,
         mEnd: cute.Tensor,
         mOut: cute.Tensor,
+        mHist: cute.Tensor,
         q0: Int32,
         s_kv: Int32,
         tma_atom_q: cute.CopyAtom,
@@ -194,6 +231,8 @@ class IndexerScoreSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sW = storage.sW.get_tensor(cute.make_layout(2 * BN))
+        n_hist = self.cq * self.pitch if self.hist else 4
+        sHist = storage.hist.get_tensor(cute.make_layout(n_hist))
 
         # The key tiles this query tile needs: the union of its rows' ranges.
         k_lo = s_kv
@@ -244,14 +283,31 @@ class IndexerScoreSm90:
                 if qt0 + c // self.h < s_q:
                     w = mW[Int64(qt0) * self.h + c]
                 sW[c] = w
+            ct = wg * 128 + idx_in_wg
+            if const_expr(self.hist):
+                for e in cutlass.range_constexpr((n_hist + 255) // 256):
+                    if e * 256 + ct < n_hist:
+                        sHist[e * 256 + ct] = Int32(0)
             cute.arch.barrier(barrier_id=BAR_W, number_of_threads=256)
             if n_k > 0:
                 cute.arch.mbarrier_wait(bar_q, 0)
-                self.consumer(mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0 + wg * self.bq, s_q, s_kv,
-                              tile_lo, n_k, wg, idx_in_wg)
+                self.consumer(mKScale, mStart, mEnd, mOut, sQ, sK, sW, sHist, pipe, q0, qt0 + wg * self.bq, s_q,
+                              s_kv, tile_lo, n_k, wg, idx_in_wg)
+                if const_expr(self.hist):
+                    # every consumer's counts are in: the rows' histograms out, counters unpacked
+                    cute.arch.barrier(barrier_id=BAR_HIST, number_of_threads=256)
+                    n_rows_out = mOut.shape[0]
+                    for e in cutlass.range(self.cq * (BINS // 2) // 256, unroll=1):
+                        wi = e * 256 + ct
+                        t = qt0 + wi // (BINS // 2)
+                        if t < s_q and t - q0 < n_rows_out:
+                            x = sHist[(wi // (BINS // 2)) * self.pitch + wi % (BINS // 2)]
+                            col = 2 * (wi % (BINS // 2))
+                            mHist[t - q0, col] = x & Int32(0xFFFF)
+                            mHist[t - q0, col + 1] = (x >> Int32(16)) & Int32(0xFFFF)
 
     @cute.jit
-    def consumer(self, mKScale, mStart, mEnd, mOut, sQ, sK, sW, pipe, q0, qt0, s_q, s_kv, tile_lo, n_k, wg,
+    def consumer(self, mKScale, mStart, mEnd, mOut, sQ, sK, sW, sHist, pipe, q0, qt0, s_q, s_kv, tile_lo, n_k, wg,
                  idx_in_wg):
         mma = self._mma()
         thr = mma.get_slice(idx_in_wg)
@@ -285,6 +341,7 @@ class IndexerScoreSm90:
         if const_expr(self.w_regs):
             idev.load_weight_cols(rW, sW, w_off, BN, lane_quad)
         rKs = cute.make_rmem_tensor((2,), Float32)
+        hist_row0 = (wg * self.bq + lane_quad * qpl) * self.pitch  # this lane's first row's counters
         for i in cutlass.range(n_k, unroll=1):
             key0 = (tile_lo + i) * BM
             if const_expr(self.fp8 and self.ks_early):  # issued before the wait: latency under the MMA
@@ -337,17 +394,25 @@ class IndexerScoreSm90:
                                         out[0] = v
                                 else:
                                     out[0] = v
+                                if const_expr(self.hist):
+                                    # this row's first-digit bin (the top-k's key of the stored value);
+                                    # row (wg * bq + lane_quad * qpl + k) of the CTA, 16-bit counters
+                                    if inr:
+                                        kb = idev.ordered_key(v) >> Uint32(HIST_SHIFT)
+                                        word = hist_row0 + k * self.pitch + Int32(kb >> Uint32(1))
+                                        inc = Int32(1) << Int32((kb & Uint32(1)) * Uint32(16))
+                                        cute.arch.atomic_add(sHist.iterator + word, inc)
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  ks_early: bool = True, sum_parts: int = 1, **kw):
+                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
-    n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld = (cute.sym_int() for _ in range(8))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts)
+    n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld, h_rows, h_cols = (cute.sym_int() for _ in range(10))
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),
@@ -356,6 +421,7 @@ def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str 
         host.fake(Int32, (s_q,), align=4),
         host.fake(Int32, (s_q2,), align=4),
         host.fake(Float32, (rows, ld), align=4),
+        host.fake(Int32, (h_rows, h_cols), align=4),
         Int32(0),
         Int32(0),
         host.fake_stream(),

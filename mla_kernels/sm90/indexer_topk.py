@@ -22,6 +22,10 @@ digit whose threshold bin is taken whole ends the search) and the candidates are
 warp segment.  A row whose threshold bin holds more than :data:`CAP` keys (heavy ties) refines
 and counts by further passes over the row instead (up to 5 in all).
 
+With ``pre_hist`` pass 1 is not run: the row's first-digit histogram comes from ``hist[r, :]``,
+which the score kernel counted while it wrote the row (``indexer_score.py``, ``hist``) -- one
+read of the row fewer.
+
 With ``bitmap`` (default) pass 3 is skipped when the row has at most :data:`MAP_BITS` keys and
 the refined threshold's ties are all taken (``need`` = their count: every row of real-valued
 scores; exact ties beyond ``need`` take the passes above): pass 2 also stores, per 32 keys, the
@@ -58,12 +62,13 @@ class IndexerTopkSm90:
     """Static configuration (whether the selected scores are returned; ``batch``: warp steps of 32
     keys whose loads are issued together in the ordered passes) + launcher + kernel."""
 
-    def __init__(self, return_logits: bool, batch: int = 4, bitmap: bool = True):
+    def __init__(self, return_logits: bool, batch: int = 4, bitmap: bool = True, pre_hist: bool = False):
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.return_logits = return_logits
         self.batch = batch
         self.bitmap = bitmap
+        self.pre_hist = pre_hist
 
     @cute.jit
     def __call__(
@@ -74,6 +79,7 @@ class IndexerTopkSm90:
         mIdx: cute.Tensor,  # [s_q, topk] int32 (out)
         mLen: cute.Tensor,  # [s_q] int32 (out)
         mLogits: cute.Tensor,  # [s_q, topk] f32 (out; only with return_logits)
+        mHist: cute.Tensor,  # [>= rows, 2048] int32: row r's first-digit histogram (read only with pre_hist)
         q0: Int32,
         stream,
     ):
@@ -88,13 +94,14 @@ class IndexerTopkSm90:
             found: cute.struct.MemRange[Int32, 4]
             sel: cute.struct.Align[cute.struct.MemRange[Uint32, MAP_WORDS if self.bitmap else 4], 16]
 
-        self.kernel(mScores, mStart, mEnd, mIdx, mLen, mLogits, q0, SharedStorage).launch(
+        self.kernel(mScores, mStart, mEnd, mIdx, mLen, mLogits, mHist, q0, SharedStorage).launch(
             grid=[mScores.shape[0], 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mStart: cute.Tensor, mEnd: cute.Tensor, mIdx: cute.Tensor,
-               mLen: cute.Tensor, mLogits: cute.Tensor, q0: Int32, SharedStorage: cutlass.Constexpr):
+               mLen: cute.Tensor, mLogits: cute.Tensor, mHist: cute.Tensor, q0: Int32,
+               SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -120,7 +127,7 @@ class IndexerTopkSm90:
                 if tidx == 0:
                     mLen[t] = n
             else:
-                self.select(row, row_ptr, n, st, t, topk, mIdx, mLogits, storage, tidx)
+                self.select(row, row_ptr, n, st, t, topk, mIdx, mLogits, mHist, bidx, storage, tidx)
                 if tidx == 0:
                     mLen[t] = topk
 
@@ -154,7 +161,7 @@ class IndexerTopkSm90:
             sHist[tidx + i * THREADS] = Int32(0)
 
     @cute.jit
-    def select(self, row, row_ptr, n, st, t, topk, mIdx, mLogits, storage, tidx):
+    def select(self, row, row_ptr, n, st, t, topk, mIdx, mLogits, mHist, bidx, storage, tidx):
         """``n > topk``: the threshold (prefix of the key above ``shift``, ``need`` of its ties),
         the per-warp-segment counts, then the ordered write."""
         sHist = storage.hist.get_tensor(cute.make_layout(BINS))
@@ -173,26 +180,31 @@ class IndexerTopkSm90:
         n_steps = cutlass.max(w1 - w0 + 31, Int32(0)) // 32
 
         # -- pass 1: histogram of the first digit (16-byte loads past the unaligned head) --------
-        self.clear_hist(sHist, tidx)
         if tidx == 0:
             sFound[3] = Int32(0)  # candidate count
-        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-        mis = Int32((row_ptr.toint() // 4) % 4)
-        head = cutlass.min((4 - mis) % 4, n)
-        n_vec = (n - head) // 4
-        for i in cutlass.range((head - tidx + THREADS - 1) // THREADS, unroll=1):
-            self.hist_add(sHist, idev.ordered_key(row[tidx + i * THREADS]))
-        tail0 = head + 4 * n_vec
-        for i in cutlass.range((n - tail0 - tidx + THREADS - 1) // THREADS, unroll=1):
-            self.hist_add(sHist, idev.ordered_key(row[tail0 + tidx + i * THREADS]))
-        r4 = cute.make_rmem_tensor((4,), Float32)
-        for i in cutlass.range((n_vec - tidx + THREADS - 1) // THREADS, unroll=4):
-            v = tidx + i * THREADS
-            src = cute.make_tensor((row_ptr + (Int64(head) + Int64(4 * v))).align(16), cute.make_layout(4))
-            cute.autovec_copy(src, r4)
-            for e in cutlass.range_constexpr(4):
-                self.hist_add(sHist, idev.ordered_key(r4[e]))
-        cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        if const_expr(self.pre_hist):  # counted by the score kernel
+            for i in cutlass.range_constexpr(BINS // THREADS):
+                sHist[tidx + i * THREADS] = mHist[bidx, tidx + i * THREADS]
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        else:
+            self.clear_hist(sHist, tidx)
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+            mis = Int32((row_ptr.toint() // 4) % 4)
+            head = cutlass.min((4 - mis) % 4, n)
+            n_vec = (n - head) // 4
+            for i in cutlass.range((head - tidx + THREADS - 1) // THREADS, unroll=1):
+                self.hist_add(sHist, idev.ordered_key(row[tidx + i * THREADS]))
+            tail0 = head + 4 * n_vec
+            for i in cutlass.range((n - tail0 - tidx + THREADS - 1) // THREADS, unroll=1):
+                self.hist_add(sHist, idev.ordered_key(row[tail0 + tidx + i * THREADS]))
+            r4 = cute.make_rmem_tensor((4,), Float32)
+            for i in cutlass.range((n_vec - tidx + THREADS - 1) // THREADS, unroll=4):
+                v = tidx + i * THREADS
+                src = cute.make_tensor((row_ptr + (Int64(head) + Int64(4 * v))).align(16), cute.make_layout(4))
+                cute.autovec_copy(src, r4)
+                for e in cutlass.range_constexpr(4):
+                    self.hist_add(sHist, idev.ordered_key(r4[e]))
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
         b1, need, cnt = self.find_bin(sHist, BINS, topk, sScratch, sFound, tidx)
         prefix = Uint32(b1)
         shift = Int32(D1[0])
@@ -229,8 +241,8 @@ class IndexerTopkSm90:
                         if lane == 0:
                             base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
                         base = cute.arch.shuffle_sync(base, 0)
-                        if eq:
-                            pos = base + Int32(cute.arch.popc(m & lt))
+                        pos = base + Int32(cute.arch.popc(m & lt))
+                        if eq and pos < CAP:  # (a histogram from elsewhere cannot overrun the buffer)
                             sCandKey[pos] = key
                             sCandIdx[pos] = j
         if lane == 0:
@@ -402,14 +414,15 @@ class IndexerTopkSm90:
             xs[u] = x
 
 
-def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, bitmap: bool = True, **kw):
+def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, bitmap: bool = True,
+                 pre_hist: bool = False, **kw):
     """Compile the top-k kernel (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     rows, ld, s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(7))
-    topk, topk2 = cute.sym_int(), cute.sym_int()
-    kernel = IndexerTopkSm90(return_logits, batch, bitmap)
+    topk, topk2, h_rows, h_cols = (cute.sym_int() for _ in range(4))
+    kernel = IndexerTopkSm90(return_logits, batch, bitmap, pre_hist)
     args = (
         host.fake(Float32, (rows, ld), align=4),
         host.fake(Int32, (s_q,), align=4),
@@ -417,6 +430,7 @@ def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, bitm
         host.fake(Int32, (s_q3, topk), align=4),
         host.fake(Int32, (s_q4,), align=4),
         host.fake(Float32, (s_q5, topk2), align=4),
+        host.fake(Int32, (h_rows, h_cols), align=4),
         Int32(0),
         host.fake_stream(),
     )
