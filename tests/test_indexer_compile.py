@@ -162,9 +162,9 @@ def test_loss_and_sum_settings(monkeypatch):
     monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, "0")
     assert indexer_host._loss_prefetch() is False
     monkeypatch.delenv(indexer_host.ENV_LOSS_ROTATE, raising=False)
-    assert indexer_host._loss_rotate() is False  # off until measured
-    monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "1")
-    assert indexer_host._loss_rotate() is True
+    assert indexer_host._loss_rotate() is True  # on since measured (docs/PERF.md)
+    monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "0")
+    assert indexer_host._loss_rotate() is False
     monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "yes")
     with pytest.raises(ValueError, match="0 or 1"):
         indexer_host._loss_rotate()

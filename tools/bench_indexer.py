@@ -45,7 +45,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "mode: 0, plain, pad), loss, loss_det, loss_shuffled (the loss, default and "
                          "deterministic, with each row's slots in a random order instead of indexer_topk's "
                          "ascending key order), loss_rotate (the loss forward and forward + backward with "
-                         "MLA_KERNELS_INDEXER_LOSS_ROTATE=1: each query's blocks visited from block t mod n), "
+                         "MLA_KERNELS_INDEXER_LOSS_ROTATE=0, rows *_norotate: each query's blocks visited in order "
+                         "instead of from block t mod n, the default), "
                          "loss_bulk (dk by bulk reduce), "
                          "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
@@ -280,12 +281,17 @@ def rows(args):
             variants += [(False, "shuffled"), (True, "shuffled")] if "loss_shuffled" in mine else []
             variants += [(False, "rotate")] if ("loss_rotate" in mine and cuda) else []
             for det, dk in variants:
-                tag = ("_det" if det else "") + (f"_{dk}" if dk and dk != "red" else "")
+                tag = ("_det" if det else "") + (f"_{'norotate' if dk == 'rotate' else dk}" if dk and dk != "red" else "")
                 # "shuffled": each row's valid slots (and their targets) in a random order, the
                 # -1 padding kept at the end -- what the default rows get in ascending key order
                 idx, tgt = (shuffle_slots(idx_sorted, tgt_sorted, ln, seed=2) if dk == "shuffled"
                             else (idx_sorted, tgt_sorted))
-                os.environ["MLA_KERNELS_INDEXER_LOSS_ROTATE"] = "1" if dk == "rotate" else "0"
+                # the default rows take the default block order (rotated); "rotate" times the
+                # unrotated one beside it
+                if dk == "rotate":
+                    os.environ["MLA_KERNELS_INDEXER_LOSS_ROTATE"] = "0"
+                else:
+                    os.environ.pop("MLA_KERNELS_INDEXER_LOSS_ROTATE", None)
                 if dk in ("shuffled", "rotate"):
                     dk = ""
                 os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"

@@ -187,7 +187,10 @@ def _loss_prefetch() -> bool:
 
 
 def _loss_rotate() -> bool:
-    v = os.environ.get(ENV_LOSS_ROTATE, "0").strip() or "0"
+    """The loss forward visits query t's slot blocks from block ``t mod n`` (default on: H200,
+    S 32k, loss forward 3.94 -> 3.43 ms, forward + backward 15.87 -> 15.64 ms; bitwise the same
+    outputs)."""
+    v = os.environ.get(ENV_LOSS_ROTATE, "1").strip() or "1"
     if v not in ("0", "1"):
         raise ValueError(f"{ENV_LOSS_ROTATE}={v!r}: expected 0 or 1")
     return v == "1"
