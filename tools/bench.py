@@ -21,7 +21,7 @@ rotated between runs so L2 does not hold the previous run's KV; distinct random 
 With --b2b N each sample is instead N calls back to back between one event pair (no synchronize
 between them; the sets still rotate), divided by N: how the FlashMLA binary times itself, so the
 method to use when comparing with it (measured with tools/fwd_method_check.py on an H200: the
-per-call method reads ours 2-5% slower than back to back).  (--b2b has not run on a GPU yet.)
+per-call method reads ours 2-5% slower than back to back).  (First GPU run: docs/PERF.md, commit dc71048.)
 
 FLOPs (invalid slots counted, as the peers count them; docs/METHOD.md):
   fwd        2 * s_q * h_q * topk * (d_qk + d_v)
