@@ -119,25 +119,6 @@ def ld_cluster_v4_f32(addr: Int32, *, loc=None, ip=None):
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
-@dsl_user_op
-def ld_cluster_v4_bf16x2_f32(addr: Int32, *, loc=None, ip=None):
-    """A 16-byte load of eight bf16 from a shared::cluster address, widened to eight floats."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 8),
-        [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 w<4>;\n\tld.shared::cluster.v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
-        "shl.b32 $0, w0, 16;\n\tand.b32 $1, w0, 0xffff0000;\n\t"
-        "shl.b32 $2, w1, 16;\n\tand.b32 $3, w1, 0xffff0000;\n\t"
-        "shl.b32 $4, w2, 16;\n\tand.b32 $5, w2, 0xffff0000;\n\t"
-        "shl.b32 $6, w3, 16;\n\tand.b32 $7, w3, 0xffff0000;\n\t}",
-        "=f,=f,=f,=f,=f,=f,=f,=f,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(8))
-
-
 def cluster_sync(release: bool) -> None:
     """Every thread of every CTA of the cluster: ``barrier.cluster.arrive`` + ``wait`` (acquire).
     ``release``: the arrival releases this thread's earlier writes at cluster scope (SASS
@@ -247,7 +228,7 @@ def merge_slice(
         base = dev.mapa_shared(local, Int32(p))
         for k in cutlass.range_constexpr(cpt):
             if cutlass.const_expr(bf16):
-                v = ld_cluster_v4_bf16x2_f32(base + k * tph * 16)
+                v = dev.ld_cluster_v4_bf16x2_f32(base + k * tph * 16)
             else:
                 v = ld_cluster_v4_f32(base + k * tph * 16)
             for q in cutlass.range_constexpr(vec):

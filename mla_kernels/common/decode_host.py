@@ -334,7 +334,9 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
         kv_cache = kv_cache.view(1, kv_cache.shape[0], 1, kv_cache.shape[-1])
     page_size = kv_cache.shape[1]
     scale_log2 = sm_scale * math.log2(math.e)
-    if st["fused"]:
+    if st["fused"] or st["cluster_l2"]:
+        # one launch, float32 parts through L2: the last CTA of a row merges it (fused), or each
+        # cluster CTA merges a slice of the row's heads (cluster_l2: no counters needed)
         ml, ml_f = (plan.max_logits_parts, plan.max_logits) if plan.with_max_logits else (st["ml0"], st["ml0"])
         if plan.with_max_logits:
             flags |= F_MAX_LOGITS
@@ -342,20 +344,9 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
             attn_sink = st["sink0"]
         else:
             flags |= F_SINK
+        counters = plan.counters if st["fused"] else st["cnt0"]
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
-                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, plan.counters, scale_log2, flags, page_size, tl_b,
-                     tl_s, plan.num_splits, plan.blocks_per_split)
-    elif st["cluster_l2"]:
-        # one launch: float32 parts through L2, each cluster CTA merges a slice of the row's heads
-        ml, ml_f = (plan.max_logits_parts, plan.max_logits) if plan.with_max_logits else (st["ml0"], st["ml0"])
-        if plan.with_max_logits:
-            flags |= F_MAX_LOGITS
-        if attn_sink is None:
-            attn_sink = st["sink0"]
-        else:
-            flags |= F_SINK
-        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
-                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, st["cnt0"], scale_log2, flags, page_size, tl_b,
+                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, counters, scale_log2, flags, page_size, tl_b,
                      tl_s, plan.num_splits, plan.blocks_per_split)
     elif st["cluster"]:
         # one launch: the row's clusters merge over DSMEM and write the bf16 output (direct layout)

@@ -618,15 +618,13 @@ def st_async_v4_b32(remote_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint
     )
 
 
-@dsl_user_op
-def ld_shared_v4_bf16x2_f32(smem_addr: Int32, *, loc=None, ip=None):
-    """A 16-byte shared-memory load of eight bf16 (four words, low half first), widened to eight
-    floats; kept in program order (side effects) so that it never moves above the mbarrier wait
-    that publishes the data."""
+def _ld_v4_bf16x2_f32(space: str, addr, loc, ip):
+    """``ld.<space>.v4.b32`` of eight bf16 (four words, low half first), widened to eight floats
+    (side effects: kept in program order)."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32()] * 8),
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 w<4>;\n\tld.shared.v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
+        [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 w<4>;\n\tld." + space + ".v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
         "shl.b32 $0, w0, 16;\n\tand.b32 $1, w0, 0xffff0000;\n\t"
         "shl.b32 $2, w1, 16;\n\tand.b32 $3, w1, 0xffff0000;\n\t"
         "shl.b32 $4, w2, 16;\n\tand.b32 $5, w2, 0xffff0000;\n\t"
@@ -637,6 +635,20 @@ def ld_shared_v4_bf16x2_f32(smem_addr: Int32, *, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(8))
+
+
+@dsl_user_op
+def ld_shared_v4_bf16x2_f32(smem_addr: Int32, *, loc=None, ip=None):
+    """A 16-byte shared-memory load of eight bf16 (four words, low half first), widened to eight
+    floats; kept in program order (side effects) so that it never moves above the mbarrier wait
+    that publishes the data."""
+    return _ld_v4_bf16x2_f32("shared", smem_addr, loc, ip)
+
+
+@dsl_user_op
+def ld_cluster_v4_bf16x2_f32(addr: Int32, *, loc=None, ip=None):
+    """The same from a shared::cluster address (a peer CTA's shared memory, :func:`mapa_shared`)."""
+    return _ld_v4_bf16x2_f32("shared::cluster", addr, loc, ip)
 
 
 @dsl_user_op

@@ -83,6 +83,21 @@ class KvBandOrder:
         return present, band, entry
 
     @cute.jit
+    def _load_run(self, mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift):
+        """Run ``r`` of this lane's slots (``RUN`` of them, 32 apart), loaded back to back:
+        ``(present, band, entry)`` per slot, ``present`` 0 past topk or the warp's run."""
+        pres = cute.make_rmem_tensor((RUN,), Int32)
+        bands = cute.make_rmem_tensor((RUN,), Int32)
+        entries = cute.make_rmem_tensor((RUN,), Int32)
+        for u in cutlass.range_constexpr(RUN):
+            slot = first + (r * RUN + u) * 32 + lane
+            present, band, entry = self._load(mIdx, row, slot, limit, topk, s_kv, shift)
+            bands[u] = band
+            entries[u] = entry
+            pres[u] = Int32(present and slot < first + per_warp)
+        return pres, bands, entries
+
+    @cute.jit
     def _peers(self, present, band):
         """The lanes holding an entry of the same band as this lane (``present`` lanes only)."""
         peers = Uint32(cute.arch.vote_ballot_sync(present))
@@ -116,13 +131,7 @@ class KvBandOrder:
         # pass 1: entries per (band, warp); the slots are loaded RUN at a time, then grouped
         n_runs = (per_warp + 32 * RUN - 1) // (32 * RUN)
         for r in cutlass.range(n_runs, unroll=1):
-            bands = cute.make_rmem_tensor((RUN,), Int32)
-            pres = cute.make_rmem_tensor((RUN,), Int32)
-            for u in cutlass.range_constexpr(RUN):
-                slot = first + (r * RUN + u) * 32 + lane
-                present, band, _ = self._load(mIdx, row, slot, limit, topk, s_kv, shift)
-                bands[u] = band
-                pres[u] = Int32(present and slot < first + per_warp)
+            pres, bands, _ = self._load_run(mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift)
             for u in cutlass.range_constexpr(RUN):
                 present = pres[u] != 0
                 peers = self._peers(present, bands[u])
@@ -153,15 +162,7 @@ class KvBandOrder:
 
         # pass 2: each entry at its (band, warp)'s next position plus its rank in its group
         for r in cutlass.range(n_runs, unroll=1):
-            bands = cute.make_rmem_tensor((RUN,), Int32)
-            pres = cute.make_rmem_tensor((RUN,), Int32)
-            entries = cute.make_rmem_tensor((RUN,), Int32)
-            for u in cutlass.range_constexpr(RUN):
-                slot = first + (r * RUN + u) * 32 + lane
-                present, band, entry = self._load(mIdx, row, slot, limit, topk, s_kv, shift)
-                bands[u] = band
-                entries[u] = entry
-                pres[u] = Int32(present and slot < first + per_warp)
+            pres, bands, entries = self._load_run(mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift)
             for u in cutlass.range_constexpr(RUN):
                 slot = first + (r * RUN + u) * 32 + lane
                 present = pres[u] != 0
