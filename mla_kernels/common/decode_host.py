@@ -348,8 +348,8 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
                      plan.lse_parts, ml, plan.out, plan.lse, ml_f, counters, scale_log2, flags, page_size, tl_b,
                      tl_s, plan.num_splits, plan.blocks_per_split)
-    elif st["cluster"]:
-        # one launch: the row's clusters merge over DSMEM and write the bf16 output (direct layout)
+    elif st["cluster"] or plan.num_splits <= 1:
+        # direct layout, bf16 output: one split, or the row's cluster merging over DSMEM (one launch)
         ml = plan.max_logits if plan.with_max_logits else st["ml0"]
         if plan.with_max_logits:
             flags |= F_MAX_LOGITS
@@ -358,8 +358,9 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
         else:
             flags |= F_SINK
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out, plan.lse, ml,
-                     scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits, plan.blocks_per_split)
-    elif plan.num_splits > 1:
+                     scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits if st["cluster"] else 1,
+                     plan.blocks_per_split)
+    else:
         ml = plan.max_logits_parts if plan.with_max_logits else st["ml0"]
         if plan.with_max_logits:
             flags |= F_MAX_LOGITS
@@ -371,16 +372,6 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
                       plan.h_q, 1 if has_sink else 0)
         if plan.with_max_logits:
             torch.amax(plan.max_logits_parts, dim=0, out=st["ml_out2"])
-    else:
-        ml = plan.max_logits if plan.with_max_logits else st["ml0"]
-        if plan.with_max_logits:
-            flags |= F_MAX_LOGITS
-        if attn_sink is None:
-            attn_sink = st["sink0"]
-        else:
-            flags |= F_SINK
-        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out, plan.lse, ml,
-                     scale_log2, flags, page_size, tl_b, tl_s, 1, plan.blocks_per_split)
     if plan.with_max_logits:
         return plan.out, plan.lse, plan.max_logits
     return plan.out, plan.lse
