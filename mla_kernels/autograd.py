@@ -48,18 +48,20 @@ DOUBLE_BACKWARD_ERROR = (
 
 
 class _NoDoubleBackward(torch.autograd.Function):
-    """Identity whose backward raises: attached to gradients computed under ``create_graph=True``
-    so that differentiating through them fails loudly instead of returning a silent zero."""
+    """Identity whose backward raises ``message``: attached to gradients computed under
+    ``create_graph=True`` so that differentiating through them fails loudly instead of returning a
+    silent zero (used by every op here whose backward is a kernel: sparse_mla, indexer_loss)."""
 
     @staticmethod
-    def forward(ctx, n_grads, *tensors):
+    def forward(ctx, message, n_grads, *tensors):
         # tensors = grads + anchors (the op's differentiable inputs): the anchors make the outputs
         # part of the graph, so a backward through them reaches this function and raises.
+        ctx.message = message
         return tuple(g.view_as(g) for g in tensors[:n_grads])
 
     @staticmethod
     def backward(ctx, *_):
-        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+        raise RuntimeError(ctx.message)
 
 
 class SparseMLA(torch.autograd.Function):
@@ -96,7 +98,7 @@ class SparseMLA(torch.autograd.Function):
         anchors = [a for a in anchors if a is not None and a.requires_grad]
         if torch.is_grad_enabled() and anchors:  # create_graph=True: a second backward must fail loudly
             grads = [g for g in (dq, dkv, dsink) if g is not None]
-            marked = iter(_NoDoubleBackward.apply(len(grads), *grads, *anchors))
+            marked = iter(_NoDoubleBackward.apply(DOUBLE_BACKWARD_ERROR, len(grads), *grads, *anchors))
             dq, dkv = next(marked), next(marked)
             dsink = next(marked) if dsink is not None else None
         return dq, dkv, None, None, None, None, dsink, None, None

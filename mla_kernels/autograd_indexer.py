@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .api import _check_scale, tracing
+from .autograd import _NoDoubleBackward
 from .api_indexer import (
     FP8, REDUCTIONS, indexer_loss_bwd_problem, indexer_loss_fwd_problem, make_indexer_loss_problem,
 )
@@ -36,20 +37,6 @@ DOUBLE_BACKWARD_ERROR = (
     "differentiate through them (create_graph=True is fine as long as no backward runs through "
     "indexer_loss's gradients)."
 )
-
-
-class _NoDoubleBackward(torch.autograd.Function):
-    """Identity whose backward raises: attached to the gradients computed under
-    ``create_graph=True`` (the anchors, the op's differentiable inputs, put them in the graph) so
-    that differentiating through them fails loudly instead of giving a silent zero."""
-
-    @staticmethod
-    def forward(ctx, n_grads, *tensors):
-        return tuple(g.view_as(g) for g in tensors[:n_grads])
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
 
 class IndexerLoss(torch.autograd.Function):
@@ -75,7 +62,7 @@ class IndexerLoss(torch.autograd.Function):
         dk = dk.reshape(k_shape)
         anchors = [a for a in anchors if a.requires_grad]
         if torch.is_grad_enabled() and anchors:  # create_graph=True: a second backward must fail loudly
-            dq, dk, dw = _NoDoubleBackward.apply(3, dq, dk, dw, *anchors)
+            dq, dk, dw = _NoDoubleBackward.apply(DOUBLE_BACKWARD_ERROR, 3, dq, dk, dw, *anchors)
         return None, None, dq, dk, dw
 
 

@@ -108,17 +108,7 @@ def main(argv=None) -> int:
             if args.eager:
                 steps[name] = call
             else:
-                graphs = []
-                for i in range(args.sets):
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        call(i)
-                    torch.cuda.current_stream().wait_stream(side)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        call(i)
-                    graphs.append(g)
+                graphs = bd.capture_graphs(call, args.sets)
                 steps[name] = lambda i, graphs=graphs: graphs[i].replay()
         names = [s[0] for s in specs]
         times = {n: [] for n in names}

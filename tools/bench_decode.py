@@ -171,10 +171,8 @@ def time_cpu(fn, n_sets, warmup, reps):
     return statistics.median(times), times
 
 
-def time_graph(call, n_sets, warmup, reps):
-    """GPU time of one decode step replayed from a CUDA graph (one graph per input set): the
-    kernels are submitted at once, so no host launch latency sits between them -- unlike the
-    eager timing, where at small batches the GPU waits for the host to launch the combine."""
+def capture_graphs(call, n_sets):
+    """One CUDA graph of ``call(i)`` per input set (a warm-up call on a side stream first)."""
     graphs = []
     for i in range(n_sets):
         side = torch.cuda.Stream()
@@ -186,6 +184,14 @@ def time_graph(call, n_sets, warmup, reps):
         with torch.cuda.graph(g):
             call(i)
         graphs.append(g)
+    return graphs
+
+
+def time_graph(call, n_sets, warmup, reps):
+    """GPU time of one decode step replayed from a CUDA graph (one graph per input set): the
+    kernels are submitted at once, so no host launch latency sits between them -- unlike the
+    eager timing, where at small batches the GPU waits for the host to launch the combine."""
+    graphs = capture_graphs(call, n_sets)
     med, _ = time_gpu(lambda i: graphs[i].replay(), n_sets, warmup, reps)
     return med
 

@@ -334,41 +334,34 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
         kv_cache = kv_cache.view(1, kv_cache.shape[0], 1, kv_cache.shape[-1])
     page_size = kv_cache.shape[1]
     scale_log2 = sm_scale * math.log2(math.e)
+    if plan.with_max_logits:
+        flags |= F_MAX_LOGITS
+    # the kernels that write the final output apply the sink themselves (F_SINK); the combine path
+    # gives its split kernel the placeholder and the sink to the combine
+    has_sink = attn_sink is not None
+    sink = attn_sink if has_sink else st["sink0"]
     if st["fused"] or st["cluster_l2"]:
         # one launch, float32 parts through L2: the last CTA of a row merges it (fused), or each
         # cluster CTA merges a slice of the row's heads (cluster_l2: no counters needed)
         ml, ml_f = (plan.max_logits_parts, plan.max_logits) if plan.with_max_logits else (st["ml0"], st["ml0"])
-        if plan.with_max_logits:
-            flags |= F_MAX_LOGITS
-        if attn_sink is None:
-            attn_sink = st["sink0"]
-        else:
-            flags |= F_SINK
+        flags |= F_SINK if has_sink else 0
         counters = plan.counters if st["fused"] else st["cnt0"]
-        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out_parts,
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, plan.out_parts,
                      plan.lse_parts, ml, plan.out, plan.lse, ml_f, counters, scale_log2, flags, page_size, tl_b,
                      tl_s, plan.num_splits, plan.blocks_per_split)
     elif st["cluster"] or plan.num_splits <= 1:
         # direct layout, bf16 output: one split, or the row's cluster merging over DSMEM (one launch)
         ml = plan.max_logits if plan.with_max_logits else st["ml0"]
-        if plan.with_max_logits:
-            flags |= F_MAX_LOGITS
-        if attn_sink is None:
-            attn_sink = st["sink0"]
-        else:
-            flags |= F_SINK
-        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, attn_sink, plan.out, plan.lse, ml,
+        flags |= F_SINK if has_sink else 0
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, plan.out, plan.lse, ml,
                      scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits if st["cluster"] else 1,
                      plan.blocks_per_split)
     else:
         ml = plan.max_logits_parts if plan.with_max_logits else st["ml0"]
-        if plan.with_max_logits:
-            flags |= F_MAX_LOGITS
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, st["sink0"], plan.out_parts,
                      plan.lse_parts, ml, scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits,
                      plan.blocks_per_split)
-        has_sink = attn_sink is not None
-        st["combine"](st["parts3"], st["lse_parts2"], attn_sink if has_sink else st["sink0"], st["out2"], st["lse1"],
+        st["combine"](st["parts3"], st["lse_parts2"], sink, st["out2"], st["lse1"],
                       plan.h_q, 1 if has_sink else 0)
         if plan.with_max_logits:
             torch.amax(plan.max_logits_parts, dim=0, out=st["ml_out2"])
