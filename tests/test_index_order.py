@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_case, needs_cutlass, rel_l2, skip_unless_sm90
+from conftest import assert_close_fwd, make_case, needs_cutlass, rel_l2, skip_unless_sm90
 
 
 def expected_order(idx: torch.Tensor, s_kv: int, topk_length=None):
@@ -30,14 +30,22 @@ def expected_order(idx: torch.Tensor, s_kv: int, topk_length=None):
 
 def test_index_order_compiles_for_sm90():
     needs_cutlass()
-    from mla_kernels.common.index_order import band_shift, compile_index_order
+    from mla_kernels.common.index_order import MAX_STAGE, band_shift, compile_index_order, stage_for
     from mla_kernels.common import bwd_host
 
     for s_kv in (1, 63, 64, 65, 1000, 32768, 2**31 - 1):
         assert bwd_host.band_shift(s_kv) == band_shift(s_kv)
         assert (s_kv - 1) >> band_shift(s_kv) < 64
-    kernel, _ = compile_index_order(True, True, "sm_90a")
-    assert kernel.smem_bytes == 8 * 64 * 4
+    kernel, _ = compile_index_order(True, True, "sm_90a")  # direct stores (rows past MAX_STAGE)
+    assert kernel.smem_bytes == 8 * 64 * 4 + 2 * 16
+    kernel, _ = compile_index_order(True, True, "sm_90a", stage=2048)  # the row staged in smem
+    assert kernel.smem_bytes == 8 * 64 * 4 + 2 * 2048 * 4
+    for topk in (1, 2, 3, 64, 100, 2048, 2049, 8192, 8193, 100_000):
+        assert bwd_host.stage_for(topk) == stage_for(topk)
+        assert stage_for(topk) == 0 or topk <= stage_for(topk) <= MAX_STAGE
+    assert stage_for(8193) == 0 and stage_for(100) == 128
+    with pytest.raises(ValueError, match="power of two"):
+        compile_index_order(False, False, "sm_90a", stage=3000)
 
 
 def test_expected_order_on_cpu():
@@ -52,7 +60,7 @@ def test_expected_order_on_cpu():
 
 @skip_unless_sm90()
 @pytest.mark.gpu
-@pytest.mark.parametrize("topk", [1, 64, 100, 576, 2048, 8192])
+@pytest.mark.parametrize("topk", [1, 64, 100, 576, 2048, 5000, 8192, 9000])  # 9000: unstaged
 @pytest.mark.parametrize("with_tl", [False, True])
 @pytest.mark.parametrize("s_kv", [40, 3000, 100_000])
 def test_index_order_exact(topk, with_tl, s_kv):
@@ -102,3 +110,42 @@ def test_bwd_same_with_and_without_sort(h_q, monkeypatch):
     assert rel_l2(dq1, dq0) < 5e-3 and rel_l2(dkv1, dkv0) < 5e-3
     assert torch.allclose(a1, a0, rtol=1e-5, atol=1e-6)
     assert not any(t.isnan().any() for t in (dq1, dkv1, a1))
+
+
+@skip_unless_sm90()
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("sink", [None, "finite"])
+def test_fwd_same_with_and_without_order(h_q, sink, monkeypatch):
+    """The forward on kv-ordered slots (``MLA_KERNELS_FWD_ORDER=1``, and the auto rule made to
+    choose it by a tiny L2 size) meets the forward tolerances against the float32 reference and
+    matches the forward on the given order, with invalid / duplicate slots, topk_length (incl.
+    empty rows) and a sink."""
+    import mla_kernels as mk
+    from mla_kernels import reference as ref
+    from mla_kernels.common import bwd_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    case = make_case(200, h_q, 576, 3000, 512, device="cuda", invalid_frac=0.1, dup_frac=0.1, topk_length=True,
+                     sink=sink)
+    args = (case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length, case.attn_sink)
+    p = mk.api.make_problem(*args)
+    dev = torch.cuda.current_device()
+    monkeypatch.setitem(bwd_host._L2_BYTES, dev, 1 << 40)
+    monkeypatch.setenv(bwd_host.FWD_ORDER_ENV, "auto")
+    assert not bwd_host.fwd_order_wanted(p)
+    monkeypatch.setitem(bwd_host._L2_BYTES, dev, 1024)  # kv rows >> "L2": ordered at h_q 64 only
+    assert bwd_host.fwd_order_wanted(p) == (h_q == 64)
+    res = {}
+    for flag in ("0", "1", "auto"):
+        monkeypatch.setenv(bwd_host.FWD_ORDER_ENV, flag)
+        res[flag] = mk.sparse_mla_fwd(*args)
+    want = ref.sparse_mla_fwd_ref(case.q.float(), case.kv.float(), case.indices, case.sm_scale, 512,
+                                  case.topk_length, case.attn_sink)
+    valid = ref.valid_mask(case.indices, 3000, case.topk_length)
+    empty = (~valid.any(dim=-1))[:, None].expand(-1, h_q)
+    assert empty.any() and not empty.all()
+    for flag in ("1", "auto"):
+        out, ml, lse = res[flag]
+        assert_close_fwd(out, ml, lse, want, empty=empty)
+        assert rel_l2(out, res["0"][0]) < 5e-3

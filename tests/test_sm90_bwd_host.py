@@ -135,3 +135,36 @@ def test_scatter_workspace_column_order_round_trips():
     assert bwd.SparseMlaBwdSm90.ws_col_perm == bwd.WS_COL_PERM
     assert sorted(bwd.WS_COL_PERM) == list(range(16))
     assert bwd_host.natural_columns(ws, None) is ws
+    assert bwd_host.bit_permutation(bwd.WS_COL_PERM) is not None  # undone by a strided copy
+    assert torch.equal(bwd_host.natural_columns(ws, bwd.WS_COL_PERM, torch.bfloat16), chunk.to(torch.bfloat16))
+
+
+def test_natural_columns_strided_copy_matches_the_gather():
+    """``natural_columns`` undoes a bit-permutation column order (the sm90 backward's) with one
+    strided copy that also converts to bf16: bitwise the same as a gather followed by ``.to``, for
+    the kernel's order, every other permutation of 4 index bits, and a non-bit permutation
+    (which takes the gather)."""
+    import itertools
+
+    torch.manual_seed(3)
+    ws = torch.randn(37, 576)
+
+    def gather(perm):
+        n = len(perm)
+        return ws.view(37, 576 // n, n)[:, :, list(perm)].reshape(37, 576)
+
+    perms = []
+    for order in itertools.permutations(range(4)):  # every bit permutation of 16 columns
+        perms.append(tuple(sum(((c >> b) & 1) << order[b] for b in range(4)) for c in range(16)))
+    assert len(set(perms)) == 24
+    for perm in perms:
+        assert bwd_host.bit_permutation(perm) is not None
+        got = bwd_host.natural_columns(ws, perm, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.is_contiguous()
+        assert torch.equal(got, gather(perm).to(torch.bfloat16))
+        assert torch.equal(bwd_host.natural_columns(ws, perm), gather(perm))
+    odd = (1, 0, 2, 3, 5, 4, 6, 7, 8, 9, 10, 11, 12, 13, 15, 14)  # swaps pairs: not a bit permutation
+    assert bwd_host.bit_permutation(odd) is None
+    assert torch.equal(bwd_host.natural_columns(ws, odd, torch.bfloat16), gather(odd).to(torch.bfloat16))
+    assert bwd_host.bit_permutation((0, 2, 1)) is None  # not a power of two
+    assert bwd_host.natural_columns(ws, None, torch.bfloat16).dtype == torch.bfloat16

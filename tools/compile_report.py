@@ -69,6 +69,7 @@ def kernels_for(arch):
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
             ("segment_sum_d576_bf16", lambda a, **kw: compile_segment_sum(576, a, bf16_rows=True, **kw)),
             ("index_order_topklen_perm", lambda a, **kw: compile_index_order(True, True, a, **kw)),
+            ("index_order_topklen_perm_stage2048", lambda a, **kw: compile_index_order(True, True, a, stage=2048, **kw)),
             ("sm90_decode_d576_h128_split", lambda a, **kw: compile_decode(576, 128, True, a, **kw)),
             ("sm90_decode_d576_h64_direct", lambda a, **kw: compile_decode(576, 64, False, a, **kw)),
             ("sm90_decode_d512_h128_fused", lambda a, **kw: compile_decode(512, 128, True, a, fused=True, **kw)),

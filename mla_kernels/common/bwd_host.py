@@ -16,8 +16,8 @@ without a sink; ``+inf`` on empty rows):
 
 dKV: the default kernel adds every slot's row into a float32 ``[s_kv, d_qk]`` workspace with
 16-byte float atomics (fast; the order of additions, hence the last bits, varies from run to run);
-one ``.to(bfloat16)`` converts it (and :func:`natural_columns` undoes the kernel's column order
-within 16-column groups when the kernel declares one, ``ws_col_perm``).  ``deterministic=True`` runs the same kernel writing each
+one strided copy converts it to bfloat16 and undoes the kernel's column order within 16-column
+groups when the kernel declares one, ``ws_col_perm`` (:func:`natural_columns`).  ``deterministic=True`` runs the same kernel writing each
 (token, head block, slot) row to its own workspace row instead (head block: 64 heads, or 128 for a
 kernel whose ``ws_row_heads`` says so -- the sm100 2-CTA kernel; float32 rows, or bfloat16 for a
 kernel whose ``det_ws_dtype`` says so -- the sm90 kernel: each contribution rounded to bf16 once,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -102,6 +103,33 @@ def sort_enabled() -> bool:
     return os.environ.get(SORT_ENV, "1") != "0"
 
 
+#: Environment switch of the forward's use of :func:`kv_ordered` (``auto``: :func:`fwd_order_wanted`'s
+#: rule, ``1``: always, ``0``: never).
+FWD_ORDER_ENV = "MLA_KERNELS_FWD_ORDER"
+_L2_BYTES: dict = {}
+
+
+def fwd_order_wanted(p: Problem) -> bool:
+    """Whether the forward should run on :func:`kv_ordered` slots (or per ``MLA_KERNELS_FWD_ORDER``):
+    at ``h_q`` 64 when the ``s_kv`` bf16 kv rows outgrow the L2 cache.  There the CTAs running
+    together (one per token) gather from a band of the kv range that stays in L2; measured on an
+    H200 (docs/PERF.md): h_q 64 s_kv 64k / 128k / 256k 1.02x / 1.06x / 1.07x; at h_q 128 (two CTAs
+    per token read the same rows) 0.98-1.00x, so not used there; with the kv rows in L2 the order
+    gains nothing and costs its kernel."""
+    mode = os.environ.get(FWD_ORDER_ENV, "auto")
+    if mode == "0" or not p.indices.is_cuda or p.s_q == 0 or p.topk == 0:
+        return False
+    if mode == "1":
+        return True
+    if p.h_q != 64:
+        return False
+    key = p.device.index if p.device.index is not None else torch.cuda.current_device()
+    l2 = _L2_BYTES.get(key)
+    if l2 is None:
+        l2 = _L2_BYTES[key] = int(getattr(torch.cuda.get_device_properties(key), "L2_cache_size", 0) or 50 << 20)
+    return p.s_kv * p.d_qk * p.kv.element_size() > l2
+
+
 def kv_ordered(p: Problem, want_perm: bool):
     """``(p with each row's slots grouped by kv band, perm)``.
 
@@ -119,8 +147,9 @@ def kv_ordered(p: Problem, want_perm: bool):
     dev = p.device
     arch = _compile.arch_for_device(dev)
     has_tl = p.topk_length is not None
-    _, fn = _compile.cached_compile(("KvBandOrder", has_tl, want_perm, arch),
-                                    lambda: _compile_index_order(has_tl, want_perm, arch))
+    stage = stage_for(p.topk)
+    _, fn = _compile.cached_compile(("KvBandOrder", has_tl, want_perm, stage, arch),
+                                    lambda: _compile_index_order(has_tl, want_perm, arch, stage))
     out = torch.empty_like(p.indices)
     perm = torch.empty_like(p.indices) if want_perm else host.dummy(torch.int32, dev, (1, 1))
     tl = p.topk_length if has_tl else host.dummy(torch.int32, dev)
@@ -133,10 +162,17 @@ def band_shift(s_kv: int) -> int:
     return max(0, (max(s_kv, 1) - 1).bit_length() - 6)
 
 
-def _compile_index_order(has_tl: bool, want_perm: bool, arch: str):
+def stage_for(topk: int) -> int:
+    """``common.index_order.stage_for`` (kept here so that the warm path imports no DSL)."""
+    if topk > 8192:
+        return 0
+    return 1 << max(0, (max(topk, 1) - 1).bit_length())
+
+
+def _compile_index_order(has_tl: bool, want_perm: bool, arch: str, stage: int):
     from .index_order import compile_index_order  # the kernel module (imports the DSL): only to compile
 
-    return compile_index_order(has_tl, want_perm, arch)
+    return compile_index_order(has_tl, want_perm, arch, stage)
 
 
 def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False,
@@ -196,7 +232,7 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
             launch(c0, c1, ws)
             reduce_slot_rows(dkv_acc, ws, p.indices[c0:c1], valid[c0:c1], n_rblk)
 
-    dkv = natural_columns(dkv_acc.to(p.dtype), getattr(kernel, "ws_col_perm", None))
+    dkv = natural_columns(dkv_acc, getattr(kernel, "ws_col_perm", None), p.dtype)
     d_sink = d_attn_sink(p, lse_eff, delta) if p.attn_sink is not None else None
     res = (dq, dkv, d_sink)
     if return_attn_sum:
@@ -210,19 +246,51 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
 _PERM_CACHE: dict = {}
 
 
-def natural_columns(ws: torch.Tensor, perm) -> torch.Tensor:
-    """Undo a kernel's workspace column order: ``perm`` (or None: natural order) gives, for each
-    natural column of a group of ``len(perm)`` columns, its position in the workspace group
-    (the sm90 backward stores 16-column groups permuted so that its atomics need fewer shuffles)."""
-    if perm is None:
-        return ws
+def bit_permutation(perm) -> Optional[tuple]:
+    """``perm`` (natural column -> workspace position in a group of ``2**k`` columns) as a
+    permutation of the ``k`` bits of the column index, or None if it is not one: the tuple gives,
+    for each bit of the natural index (most significant first), the workspace bit it comes from
+    (most significant first).  The sm90 backward's order is one (a swap of two bit fields), so
+    undoing it is a strided view, not a gather."""
     n = len(perm)
+    k = n.bit_length() - 1
+    if n < 2 or 1 << k != n:
+        return None
+    src = []
+    for b in range(k):  # natural bit b (LSB first): which workspace bit moves with it
+        hits = [wb for wb in range(k) if all(((perm[c] >> wb) & 1) == ((c >> b) & 1) for c in range(n))]
+        if not hits:
+            return None
+        src.append(hits[0])
+    if sorted(src) != list(range(k)):
+        return None
+    return tuple(k - 1 - src[b] for b in reversed(range(k)))
+
+
+def natural_columns(ws: torch.Tensor, perm, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Undo a kernel's workspace column order and convert to ``dtype`` (None: keep ``ws``'s):
+    ``perm`` (or None: natural order) gives, for each natural column of a group of ``len(perm)``
+    columns, its position in the workspace group (the sm90 backward stores 16-column groups
+    permuted so that its atomics need fewer shuffles).  A permutation of the column index's bits
+    (the sm90 order) is undone by one strided copy that also converts (one pass over the
+    workspace); any other permutation by a gather."""
+    if perm is None:
+        return ws if dtype is None or ws.dtype == dtype else ws.to(dtype)
+    n = len(perm)
+    rows, d = ws.shape
+    bits = bit_permutation(perm)
+    if bits is not None:
+        k = len(bits)
+        out = torch.empty(rows, d, dtype=dtype or ws.dtype, device=ws.device)
+        src = ws.view(rows, d // n, *([2] * k)).permute(0, 1, *(2 + b for b in bits))
+        out.view(rows, d // n, *([2] * k)).copy_(src)
+        return out
     key = (tuple(perm), ws.device)
     idx = _PERM_CACHE.get(key)
     if idx is None:
         idx = _PERM_CACHE[key] = torch.tensor(perm, dtype=torch.long, device=ws.device)
-    rows, d = ws.shape
-    return ws.view(rows, d // n, n).index_select(2, idx).reshape(rows, d)
+    res = ws.view(rows, d // n, n).index_select(2, idx).reshape(rows, d)
+    return res if dtype is None else res.to(dtype)
 
 
 def reduce_slot_rows(acc: torch.Tensor, ws: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,

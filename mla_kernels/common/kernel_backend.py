@@ -133,6 +133,9 @@ class CuteKernelBackend(Backend):
     #: Run the backward on each row's slots in kv order (``bwd_host.kv_ordered``); on where it
     #: was measured.
     bwd_sort_indices = False
+    #: Run the forward on kv-ordered slots where ``bwd_host.fwd_order_wanted`` says so (long kv
+    #: ranges); on where it was measured.
+    fwd_sort_indices = False
 
     @property
     def import_spec(self) -> str:
@@ -179,6 +182,11 @@ class CuteKernelBackend(Backend):
         return None
 
     def fwd(self, p: Problem):
+        if self.fwd_sort_indices:
+            from . import bwd_host
+
+            if bwd_host.fwd_order_wanted(p):  # out / max_logits / lse do not depend on the slot order
+                p = bwd_host.kv_ordered(p, False)[0]
         fn = self.fwd_kernel(p)
         out = host.alloc((p.s_q, p.h_q, p.d_v), torch.bfloat16, p.device)
         max_logits = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
