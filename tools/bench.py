@@ -150,18 +150,25 @@ def make_sets(n_sets, s_q, h_q, topk, d_qk, d_v, s_kv, device, dtype, seed=0):
     return sets
 
 
-def time_fn(fn, n_sets, warmup, reps, device, b2b: int = 0):
+def time_fn(fn, n_sets, warmup, reps, device, b2b: int = 0, warm_s: float = 0.0):
     """``fn(i)`` runs input set ``i % n_sets``; returns ``(median ms, all ms)``.
 
     ``b2b`` 0: each sample is one call between two events, synchronized after it (the host time
     of the call shows where the GPU waits for it).  ``b2b`` N > 0: each sample is N calls back to
     back (input sets still rotating) between one event pair, divided by N -- the way FlashMLA's
-    anchor binary times itself, so the method to compare with it."""
+    anchor binary times itself, so the method to compare with it.  ``warm_s`` > 0: after the
+    ``warmup`` calls, keep calling for that many seconds, so that the timed calls start from the
+    GPU's sustained clock / power state (``--warm-s``)."""
     n = max(1, b2b)
     if device.type == "cuda":
         for i in range(warmup):
             fn(i % n_sets)
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while warm_s > 0 and time.perf_counter() - t0 < warm_s:
+            for i in range(4):
+                fn(i % n_sets)
+            torch.cuda.synchronize()
         times = []
         for i in range(reps):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -199,12 +206,13 @@ class BenchContext:
     progress: Callable[[str], None]
     ref_reps: int = 20
     b2b: int = 0  # calls per timed sample, back to back (0: one call, synchronized; see time_fn)
+    warm_s: float = 0.0  # seconds of untimed calls before each measurement (see time_fn)
 
     def wants(self, shape_name: str) -> bool:
         return not self.shapes or shape_name in self.shapes
 
     def time(self, fn, reps: Optional[int] = None):
-        return time_fn(fn, self.sets, self.warmup, reps or self.reps, self.device, self.b2b)
+        return time_fn(fn, self.sets, self.warmup, reps or self.reps, self.device, self.b2b, self.warm_s)
 
     def random_indices(self, s_q, s_kv, topk):
         return random_indices(s_q, s_kv, topk, self.device)
@@ -258,9 +266,14 @@ def find_peers(arg: str) -> Optional[Path]:
     return None
 
 
-def flashmla_anchor(binary: Path, s_q, s_kv, topk, h_q, reps, warmup, timeout=600):
+def flashmla_anchor(binary: Path, s_q, s_kv, topk, h_q, reps, warmup, timeout=600, warm_s: float = 0.0,
+                    est_ms: Optional[float] = None):
     """Run FlashMLA's standalone prefill benchmark for one case; ``(median_ms, None)`` or
-    ``(None, why)``.  Its output line: ``s_q s_kv topk h_q time_ms TFLOPS median_ms``."""
+    ``(None, why)``.  Its output line: ``s_q s_kv topk h_q time_ms TFLOPS median_ms``.
+    ``warm_s`` with ``est_ms`` (a guess of one launch's time: ours): enough warm-up launches for
+    that many seconds, as :func:`time_fn` does for ours."""
+    if warm_s > 0 and est_ms:
+        warmup = max(warmup, math.ceil(warm_s * 1e3 / est_ms))
     env = dict(os.environ, BENCH_ITERS=str(reps), BENCH_WARMUP=str(warmup))
     try:
         r = subprocess.run([str(binary), f"{s_q}:{s_kv}:{topk}:{h_q}"], capture_output=True, text=True,
@@ -373,7 +386,8 @@ def builtin_rows(ctx: BenchContext, ops, shapes, prog: Progress):
                 reps = ctx.reps if impl != "reference" else ctx.ref_reps
                 try:
                     with forced_backend(backend or "auto"):
-                        med, times = time_fn(call, ctx.sets, ctx.warmup, reps, ctx.device, ctx.b2b)
+                        med, times = time_fn(call, ctx.sets, ctx.warmup, reps, ctx.device, ctx.b2b,
+                                             ctx.warm_s if impl != "reference" else 0.0)
                 except Exception as e:  # report, keep going
                     prog(f"{name} {op} {impl}: FAILED {type(e).__name__}: {str(e)[:200]}", count=True)
                     continue
@@ -383,7 +397,9 @@ def builtin_rows(ctx: BenchContext, ops, shapes, prog: Progress):
                 prog(f"{name} {op} {impl}: {med:.3f} ms  {_rate(fl, med, ctx.device)}", count=True)
             if op == "fwd" and anchor is not None:
                 if d_qk == 576 and d_v == 512 and h_q in (64, 128) and topk % 128 == 0:
-                    ms, why = flashmla_anchor(anchor, s_q, s_kv, topk, h_q, ctx.reps, ctx.warmup)
+                    ours = [r["ms"] for r in rows if r["shape"] == name and r["op"] == "fwd" and r["impl"] == "ours"]
+                    ms, why = flashmla_anchor(anchor, s_q, s_kv, topk, h_q, ctx.reps, ctx.warmup, warm_s=ctx.warm_s,
+                                              est_ms=ours[0] if ours else None)
                     if ms is None:
                         prog(f"{name} fwd flashmla-bin: FAILED {why}", count=True)
                     else:
@@ -566,6 +582,10 @@ def build_parser(families):
     ap.add_argument("--b2b", type=int, default=0, metavar="N",
                     help="time N calls back to back per sample (one event pair, no synchronize between them): "
                          "FlashMLA's binary's method, for comparing with it (default 0: one synchronized call)")
+    ap.add_argument("--warm-s", type=float, default=0.0, metavar="S",
+                    help="keep calling for S seconds before each measurement (ours, the peers, FlashMLA's binary), "
+                         "so that every implementation is timed in the GPU's sustained clock / power state "
+                         "(default 0: only --warmup calls)")
     ap.add_argument("--peers", default="", metavar="DIR",
                     help="directory with FlashMLA's anchor binaries under anchors/flashmla/ (default: "
                          "$MLA_KERNELS_PEERS or a .peers directory next to the repository)")
@@ -599,7 +619,7 @@ def run(args, families):
     ctx = BenchContext(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, quick=quick,
                        reps=args.reps, warmup=args.warmup, sets=args.sets, no_ref=args.no_ref,
                        peers=find_peers(args.peers), shapes=set(args.shapes) if args.shapes else None,
-                       progress=prog, ref_reps=args.ref_reps, b2b=args.b2b)
+                       progress=prog, ref_reps=args.ref_reps, b2b=args.b2b, warm_s=args.warm_s)
     if args.b2b:
         print(f"timing: {args.b2b} calls back to back per sample (no synchronize between them), as FlashMLA's "
               "binary times itself")
@@ -619,7 +639,7 @@ def run(args, families):
             rows.append(r)
     print_tables(rows, device)
     meta = dict(gpu=gpu, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), commit=_commit(), reps=args.reps,
-                warmup=args.warmup, sets=args.sets, quick=quick, b2b=args.b2b,
+                warmup=args.warmup, sets=args.sets, quick=quick, b2b=args.b2b, warm_s=args.warm_s,
                 what="PyTorch reference on the CPU (smoke test; GFLOP/s)" if device.type == "cpu" else "GPU kernels")
     if args.json:
         with open(args.json, "w") as f:
@@ -641,6 +661,8 @@ def main(argv=None, family_dirs=None):
         ap.error("--ref-reps must be >= 20")
     if args.warmup < 0 or args.sets < 1:
         ap.error("--warmup must be >= 0 and --sets >= 1")
+    if args.warm_s < 0:
+        ap.error("--warm-s must be >= 0")
     if args.b2b < 0:
         ap.error("--b2b must be >= 0 (0: one synchronized call per sample)")
     return run(args, families)
