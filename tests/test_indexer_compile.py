@@ -42,6 +42,23 @@ def test_score_kernels_use_wgmma_and_tma(report):
 
 
 @pytest.mark.compile
+def test_score_kernels_take_turns_at_the_tensor_core(report):
+    """``pingpong`` (default): each consumer warpgroup syncs its own named barrier (id 3 + wg: one
+    ``BAR.SYNC`` site, id in a register) before issuing its MMAs and arrives on the other's after
+    committing them (one ``BAR.ARV`` site, id in a register), WG1 once more before its loop (id 3,
+    an immediate): 256 threads each, so one warpgroup's epilogue runs under the other's MMA."""
+    cr = compile_report_module()
+    for name in ("sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128"):
+        r = report[name]
+        if r["barriers"] is None:
+            pytest.skip("nvdisasm not installed: SASS not inspected")
+        sites = [st for st in r["barriers"] if st["id"] not in (0, 1)]  # 0: the pipeline's init, 1: weights
+        got = sorted((st["op"], -1 if st["id"] is None else st["id"], st["threads"]) for st in sites)
+        assert got == sorted([("SYNC", -1, 256), ("ARV", -1, 256), ("ARV", 3, 256)]), sites
+        assert cr.bar_sync_repeats(r["barriers"], dynamic_ids=(3, 4)) == {}
+
+
+@pytest.mark.compile
 def test_score_kernel_with_the_fused_histogram(report):
     """``hist`` (its default mode, ``pad``): per key tile two shared atomics per thread (one per
     score it writes), the histograms' two stores; bf16 d 128 fits with 4 key stages; no spills."""
@@ -168,6 +185,21 @@ def test_loss_and_sum_settings(monkeypatch):
     monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "yes")
     with pytest.raises(ValueError, match="0 or 1"):
         indexer_host._loss_rotate()
+    monkeypatch.delenv(indexer_host.ENV_SCORE_PINGPONG, raising=False)
+    assert indexer_host.score_pingpong() is True  # the warpgroups take turns by default
+    monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "0")
+    assert indexer_host.score_pingpong() is False
+    monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "on")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        indexer_host.score_pingpong()
+    monkeypatch.delenv(indexer_host.ENV_DK, raising=False)
+    assert indexer_host.dk_mode(False) == "red"
+    monkeypatch.setenv(indexer_host.ENV_DK, "red_bf16")
+    assert indexer_host.dk_mode(False) == "red_bf16"
+    assert indexer_host.dk_mode(True) == "fixed_bulk64"  # deterministic: its own setting
+    monkeypatch.setenv(indexer_host.ENV_DK, "bf16")
+    with pytest.raises(ValueError, match="red, red_bf16, bulk or none"):
+        indexer_host.dk_mode(False)
 
 
 def test_topk_workspace_rows():

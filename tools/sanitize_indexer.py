@@ -138,11 +138,11 @@ def workload() -> int:
         return rel(rows, ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, 0.1, tl)[0]) < 1e-4
 
     step("loss fwd", loss_fwd)
-    modes = (("red", False), ("bulk", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
+    modes = (("red", False), ("bulk", False), ("red_bf16", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
              ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True))
     for mode, det in modes:
         def loss_bwd(mode=mode, det=det):
-            os.environ[indexer_host.ENV_DK] = "bulk" if mode == "bulk" else "red"
+            os.environ[indexer_host.ENV_DK] = mode if mode in ("bulk", "red_bf16") else "red"
             os.environ[indexer_host.ENV_DET] = mode if det else "fixed_bulk64"
             qq, kk, ww = (x.clone().requires_grad_(True) for x in (q, k, w))
             rows = mk.indexer_loss(qq, kk, ww, idx, tgt, sm_scale=0.1, topk_length=tl, reduction="none",

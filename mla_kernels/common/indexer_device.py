@@ -8,6 +8,7 @@
   -inf, -0 as +0): the radix top-k's key;
 * :func:`block_exclusive_sum` -- exclusive prefix sum of one Int32 per thread over a CTA;
 * :func:`f32_bits` / :func:`u32_as_f32` -- bit casts;
+* :func:`red_add_v2_bf16x2` -- 8-byte bf16 atomic adds (the loss backward's ``red_bf16`` dk);
 * :func:`f32_to_fixed` / :func:`red_add_u64` / :func:`bulk_reduce_add_u64` -- the deterministic
   loss backward's fixed-point dk: a float32 scaled to a signed 64-bit integer, and 64-bit integer
   additions into global memory (integer addition is associative, so the sum does not depend on
@@ -79,6 +80,17 @@ def bulk_reduce_add_u64(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, polic
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def red_add_v2_bf16x2(gmem_addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=None) -> None:
+    """``red.global.add.noftz.v2.bf16x2``: one 8-byte atomic add of four bf16 (two packed words,
+    :func:`~mla_kernels.common.device.pack_bf16x2`), no return value (sm_90+).  Each addition
+    rounds the stored sum to bf16."""
+    llvm.inline_asm(None, [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(lo).ir_value(loc=loc, ip=ip),
+                           Uint32(hi).ir_value(loc=loc, ip=ip)],
+                    "red.global.add.noftz.v2.bf16x2 [$0], {$1, $2};", "l,r,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def ordered_key(x: Float32) -> Uint32:

@@ -77,6 +77,7 @@ THREADS = 384
 SMEM_LIMIT = 232448
 BAR_W = 1  # the consumers' weights are in smem (and, with ``hist``, the histograms zeroed / complete)
 BAR_HIST = 2  # with ``hist``: every consumer's counts are in (the histograms are written out)
+BAR_PP0 = 3  # ``pingpong``: WG0 may issue its MMA (WG1 syncs BAR_PP0 + 1; 256 threads: sync + arrive)
 BINS = 2048  # the top-k's first digit: the top 11 bits of the ordered key
 HIST_SHIFT = 21
 HIST_MODES = ("plain", "pad")
@@ -97,7 +98,7 @@ class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
     def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True,
-                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0):
+                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0, pingpong: bool = True):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
@@ -105,6 +106,7 @@ class IndexerScoreSm90:
         if profile not in ("", "mma", "nostore"):
             raise ValueError(f"profile {profile!r}: expected '', 'mma' or 'nostore'")
         self.profile = profile
+        self.pingpong = pingpong
         self.w_regs = w_regs
         self.ks_early = ks_early
         self.sum_parts = sum_parts
@@ -341,6 +343,9 @@ class IndexerScoreSm90:
         if const_expr(self.w_regs):
             idev.load_weight_cols(rW, sW, w_off, BN, lane_quad)
         rKs = cute.make_rmem_tensor((2,), Float32)
+        if const_expr(self.pingpong):
+            if wg == 1:  # WG0 issues the first MMA
+                cute.arch.barrier_arrive(barrier_id=BAR_PP0, number_of_threads=256)
         hist_row0 = (wg * self.bq + lane_quad * qpl) * self.pitch  # this lane's first row's counters
         for i in cutlass.range(n_k, unroll=1):
             key0 = (tile_lo + i) * BM
@@ -352,12 +357,19 @@ class IndexerScoreSm90:
                         ks_e = mKScale[key_e]
                     rKs[r] = ks_e
             pipe.consumer_wait(state)
+            if const_expr(self.pingpong):  # this warpgroup's turn to issue (the other one issued its MMA)
+                cute.arch.barrier(barrier_id=BAR_PP0 + wg, number_of_threads=256)
             mma_i = self._mma()
             cute.nvgpu.warpgroup.fence()
             for k in cutlass.range_constexpr(n_k_tiles):
                 mma_i.set(warpgroup.Field.ACCUMULATE, k != 0)
                 cute.gemm(mma_i, acc, tSrK[None, None, k, state.index], tSrQ[None, None, k, wg], acc)
             cute.nvgpu.warpgroup.commit_group()
+            if const_expr(self.pingpong):
+                # the other warpgroup's turn; WG1's last arrive is skipped (WG0 has no tile left to
+                # sync for: every arrive meets one sync, none is left pending at exit)
+                if wg == 0 or i + 1 < n_k:
+                    cute.arch.barrier_arrive(barrier_id=BAR_PP0 + 1 - wg, number_of_threads=256)
             cute.nvgpu.warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()
@@ -405,14 +417,15 @@ class IndexerScoreSm90:
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, **kw):
+                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, pingpong: bool = True,
+                  **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
     n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld, h_rows, h_cols = (cute.sym_int() for _ in range(10))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages)
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages, pingpong)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),
