@@ -42,20 +42,33 @@ def test_score_kernels_use_wgmma_and_tma(report):
 
 
 @pytest.mark.compile
-def test_score_kernels_take_turns_at_the_tensor_core(report):
-    """``pingpong`` (default): each consumer warpgroup syncs its own named barrier (id 3 + wg: one
-    ``BAR.SYNC`` site, id in a register) before issuing its MMAs and arrives on the other's after
-    committing them (one ``BAR.ARV`` site, id in a register), WG1 once more before its loop (id 3,
-    an immediate): 256 threads each, so one warpgroup's epilogue runs under the other's MMA."""
+def test_score_kernel_options_pingpong_and_packed_head_sum(report):
+    """Two opt-ins of the fp8 score kernel (one compile each).  ``pingpong``: each consumer
+    warpgroup syncs its own named barrier (id 3 + wg: one ``BAR.SYNC`` site, id in a register)
+    before issuing its MMAs and arrives on the other's after committing them (one ``BAR.ARV``
+    site, id in a register), WG1 once more before its loop (id 3, an immediate), 256 threads each;
+    the default kernels have none of these.  ``head_sum="bf16x2"``: per tile 64 packed ReLUs
+    (``F2FP.RELU``, two scores each) and 64 bf16x2 multiply-adds instead of 128 ``FMNMX`` + 128
+    ``FFMA``; no spills."""
+    from mla_kernels.sm90.indexer_score import compile_score
+
     cr = compile_report_module()
+    nvd = cr.find_nvdisasm()
     for name in ("sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128"):
-        r = report[name]
-        if r["barriers"] is None:
-            pytest.skip("nvdisasm not installed: SASS not inspected")
-        sites = [st for st in r["barriers"] if st["id"] not in (0, 1)]  # 0: the pipeline's init, 1: weights
-        got = sorted((st["op"], -1 if st["id"] is None else st["id"], st["threads"]) for st in sites)
-        assert got == sorted([("SYNC", -1, 256), ("ARV", -1, 256), ("ARV", 3, 256)]), sites
-        assert cr.bar_sync_repeats(r["barriers"], dynamic_ids=(3, 4)) == {}
+        if report[name]["barriers"] is not None:
+            assert {st["id"] for st in report[name]["barriers"]} <= {0, 1}, "ping-pong barriers in a default kernel"
+    r = cr.report_one("pp", lambda a, **kw: compile_score(True, 64, 128, a, pingpong=True, **kw), "sm_90a", nvd)
+    rp = cr.report_one("packed", lambda a, **kw: compile_score(True, 64, 128, a, head_sum="bf16x2", **kw),
+                       "sm_90a", nvd)
+    sass, base = _common(rp)
+    assert sass.get("F2FP.RELU.BF16.F32.PACK_AB", 0) == 64 and base.get("FMNMX", 0) == 0
+    assert base.get("HFMA2", 0) + base.get("HMUL2", 0) == 64 and base.get("FFMA", 0) == 0
+    assert sass.get("QGMMA.64x256x32.F32.E4M3.E4M3", 0) == 4
+    _common(r)
+    sites = [st for st in r["barriers"] if st["id"] not in (0, 1)]  # 0: the pipeline's init, 1: weights
+    got = sorted((st["op"], -1 if st["id"] is None else st["id"], st["threads"]) for st in sites)
+    assert got == sorted([("SYNC", -1, 256), ("ARV", -1, 256), ("ARV", 3, 256)]), sites
+    assert cr.bar_sync_repeats(r["barriers"], dynamic_ids=(3, 4)) == {}
 
 
 @pytest.mark.compile
@@ -186,9 +199,22 @@ def test_loss_and_sum_settings(monkeypatch):
     with pytest.raises(ValueError, match="0 or 1"):
         indexer_host._loss_rotate()
     monkeypatch.delenv(indexer_host.ENV_SCORE_PINGPONG, raising=False)
-    assert indexer_host.score_pingpong() is True  # the warpgroups take turns by default
-    monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "0")
-    assert indexer_host.score_pingpong() is False
+    assert indexer_host.score_pingpong() is False  # measured no faster (docs/PERF.md): opt-in
+    monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "1")
+    assert indexer_host.score_pingpong() is True
+    monkeypatch.delenv(indexer_host.ENV_SCORE_HEADSUM, raising=False)
+    assert indexer_host.score_head_sum() == "f32"
+    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "BF16x2")
+    assert indexer_host.score_head_sum() == "bf16x2"
+    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "fp16")
+    with pytest.raises(ValueError, match="f32 or bf16x2"):
+        indexer_host.score_head_sum()
+    from mla_kernels.sm90.indexer_score import IndexerScoreSm90
+
+    with pytest.raises(ValueError, match="expected one of"):
+        IndexerScoreSm90(True, 64, 128, head_sum="f16")
+    with pytest.raises(ValueError, match="registers"):
+        IndexerScoreSm90(True, 64, 128, w_regs=False, head_sum="bf16x2")
     monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "on")
     with pytest.raises(ValueError, match="expected 0 or 1"):
         indexer_host.score_pingpong()

@@ -58,8 +58,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
                          "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
                          "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4), sum_parts_topk (only the top-k rows of sum_parts), topk_nopp (both top-k rows with "
-                         "MLA_KERNELS_INDEXER_SCORE_PINGPONG=0: the score kernel's warpgroups issue their MMAs "
-                         "side by side instead of taking turns; score_profile also times _nopp copies)")
+                         "MLA_KERNELS_INDEXER_SCORE_PINGPONG=0, the default), topk_pp (=1: the score kernel's "
+                         "warpgroups take turns issuing their MMAs), topk_packed (MLA_KERNELS_INDEXER_SCORE_HEADSUM="
+                         "bf16x2: the head sum in packed bf16, with its logits / top-k differences to the float32 "
+                         "head sum); score_profile also times _pp and _bf16x2sum copies)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -256,6 +258,19 @@ def rows(args):
                     _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, f"_chains{parts}")
                 finally:
                     os.environ.pop("MLA_KERNELS_INDEXER_SUM_PARTS", None)
+        if "topk_packed" in mine and cuda:
+            os.environ["MLA_KERNELS_INDEXER_SCORE_HEADSUM"] = "bf16x2"
+            try:
+                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_bf16x2sum")
+            finally:
+                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_HEADSUM", None)
+            _packed_error(S, TOPK, sets, scale)
+        if "topk_pp" in mine and cuda:
+            os.environ["MLA_KERNELS_INDEXER_SCORE_PINGPONG"] = "1"
+            try:
+                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_pp")
+            finally:
+                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_PINGPONG", None)
         if "topk_nopp" in mine and cuda:
             os.environ["MLA_KERNELS_INDEXER_SCORE_PINGPONG"] = "0"
             try:
@@ -348,6 +363,42 @@ def rows(args):
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def _packed_error(S, TOPK, sets, scale, n_logit_rows=2048, n_rows=512):
+    """The packed bf16x2 head sum (``MLA_KERNELS_INDEXER_SCORE_HEADSUM=bf16x2``) against the float32
+    one, bf16 and fp8 inputs: logits of the last ``n_logit_rows`` queries (error over the row's
+    largest |logit|: max and median), and the top-k sets of the full problem (fraction of
+    ``n_rows`` sampled rows' selected keys that differ)."""
+    s = sets[0]
+    s8 = dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn), w=s["w"],
+              q_scale=torch.ones(S, H, device="cuda"), k_scale=torch.ones(S, device="cuda"))
+    rows = torch.randperm(S, generator=torch.Generator().manual_seed(0))[:n_rows].cuda()
+    for tag, x, extra in (("bf16", s, {}), ("fp8", s8, dict(q_scale=s8["q_scale"], k_scale=s8["k_scale"]))):
+        lg, tk = {}, {}
+        t0 = S - n_logit_rows
+        ke = torch.arange(t0 + 1, S + 1, dtype=torch.int32, device="cuda")
+        ks = torch.zeros_like(ke)
+        ex = dict(extra, q_scale=extra["q_scale"][t0:]) if extra else {}
+        for mode in ("f32", "bf16x2"):
+            os.environ["MLA_KERNELS_INDEXER_SCORE_HEADSUM"] = mode
+            lg[mode] = mk.indexer_logits(x["q"][t0:], x["k"], x["w"][t0:], sm_scale=scale, k_start=ks, k_end=ke, **ex)
+            tk[mode] = mk.indexer_topk(x["q"], x["k"], x["w"], TOPK, sm_scale=scale, **extra)[0][rows]
+        os.environ.pop("MLA_KERNELS_INDEXER_SCORE_HEADSUM", None)
+        a, b = lg["bf16x2"], lg["f32"]
+        fin = torch.isfinite(b)
+        rmax = torch.where(fin, b.abs(), torch.zeros_like(b)).amax(1, keepdim=True).clamp_min(1e-30)
+        rel = torch.where(fin, (a - b).abs() / rmax, torch.zeros_like(b))
+        diff = 0
+        for i in range(n_rows):
+            u, v = tk["f32"][i], tk["bf16x2"][i]
+            u, v = u[u >= 0], v[v >= 0]
+            diff += u.numel() - torch.isin(u, v).sum().item()
+        tot = (tk["f32"] >= 0).sum().item()
+        print(f"  head sum bf16x2 vs f32, {tag}: logits |err| / row max|logit|: max {rel.max().item():.3e}, "
+              f"median {rel[fin].median().item():.3e}; top-k keys differing: {diff} of {tot} "
+              f"({100.0 * diff / max(tot, 1):.2f}%) over {n_rows} rows", flush=True)
+    del s8
 
 
 def _dk_error(s, idx, tgt, ln, scale):
@@ -463,17 +514,16 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
                         ("", True, True, 4, "", 0, True)]
             variants += [("", True, False, 1, "", 0, True)] if fp8 else []  # k_scale in the epilogue (the old place)
         else:
-            variants = [("", True, True, 1, "", 0, True), ("nostore", True, True, 1, "", 0, True),
-                        ("mma", True, True, 1, "", 0, True)]
-            # the warpgroups' MMAs side by side (the first version), full and MMAs alone
-            variants += [("", True, True, 1, "", 0, False), ("mma", True, True, 1, "", 0, False)]
-            variants += [("", True, True, 1, "pad", 0, True)]  # the fused histogram's default mode
-            # two / four FMA chains per head sum, now that one warpgroup's epilogue runs alone
-            variants += [("", True, True, 2, "", 0, True), ("", True, True, 4, "", 0, True)]
-            variants += [("", True, True, 1, "", 4, True)] if not fp8 else []  # the stages bf16 keeps with hist
-        for prof, w_regs, ks_early, parts, hi, stages, pp in variants:
+            variants = [("", True, True, 1, "", 0, False), ("mma", True, True, 1, "", 0, False)]
+            # the warpgroups taking turns at the tensor core (ping-pong), full and MMAs alone
+            variants += [("", True, True, 1, "", 0, True)]
+            # the head sum in packed bf16 (opt-in), alone and with the ping-pong
+            variants += [("", True, True, 1, "", 0, False, "bf16x2"), ("", True, True, 1, "", 0, True, "bf16x2")]
+
+        for prof, w_regs, ks_early, parts, hi, stages, pp, *hs in variants:
+            hs = hs[0] if hs else "f32"
             _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts,
-                                  hist=hi, stages=stages, pingpong=pp)
+                                  hist=hi, stages=stages, pingpong=pp, head_sum=hs)
             hb = hist if hi else ih.no_hist("cuda")
 
             def f(i, fn=fn, hb=hb):
@@ -484,7 +534,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
                    + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}")
-                   + (f"_hist{hi}" if hi else "") + (f"_s{stages}" if stages else "") + ("" if pp else "_nopp"))
+                   + (f"_hist{hi}" if hi else "") + (f"_s{stages}" if stages else "") + ("_pp" if pp else "")
+                   + ("" if hs == "f32" else f"_{hs}sum"))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

@@ -86,6 +86,26 @@ def workload() -> int:
             return all(torch.equal(a, b.to(a.dtype)) for a, b in zip(got, want))
 
         step(f"score+topk logits {tag}", logits)
+
+        def logits_opt(q=q, k=k, sc=sc, env=None):
+            # the score kernel's opt-ins: ping-pong (same arithmetic: exact), packed bf16x2 head sum
+            # (within bf16 rounding: 2^-6 of the largest |logit|)
+            os.environ[env[0]] = env[1]
+            try:
+                got = mk.indexer_logits(q, k, wi, sm_scale=0.5, k_start=ks, k_end=ke, **sc)
+            finally:
+                os.environ.pop(env[0], None)
+            want = ref.indexer_logits_ref(q, k, wi, 0.5, ks, ke, sc.get("q_scale"), sc.get("k_scale")).float()
+            if env[1] == "1":
+                return torch.equal(got, want)
+            fin = torch.isfinite(want)
+            if not torch.equal(torch.isneginf(got), torch.isneginf(want)):
+                return False
+            return bool(((got - want)[fin].abs().max() <= 2.0 ** -6 * want[fin].abs().max()).item())
+
+        step(f"score+topk logits {tag} pingpong", lambda: logits_opt(env=(indexer_host.ENV_SCORE_PINGPONG, "1")))
+        step(f"score+topk logits {tag} headsum=bf16x2",
+             lambda: logits_opt(env=(indexer_host.ENV_SCORE_HEADSUM, "bf16x2")))
         step(f"score+topk topk {tag}", topk)  # the default fused-histogram mode
         for mode in ("0",) + indexer_host.HIST_MODES:  # the row pass and every counting mode
             def topk_mode(q=q, k=k, sc=sc, mode=mode):

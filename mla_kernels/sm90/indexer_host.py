@@ -76,6 +76,10 @@ ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
 #: in (the first version: they ran their MMAs, then their epilogues, side by side) instead of
 #: taking turns through two named barriers (``indexer_score.py``, ``pingpong``).
 ENV_SCORE_PINGPONG = "MLA_KERNELS_INDEXER_SCORE_PINGPONG"
+#: ``bf16x2``: the score kernel's head sum in packed bf16 (``cvt.rn.relu.bf16x2`` + ``fma.rn.bf16x2``
+#: per two scores: fewer instructions, scores rounded at bf16 precision -- an opt-in, see
+#: docs/PERF.md for its error); ``f32`` (default): float32 ReLU + FMA per score.
+ENV_SCORE_HEADSUM = "MLA_KERNELS_INDEXER_SCORE_HEADSUM"
 #: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
 #: first version) instead of one block ahead.
 ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
@@ -163,15 +167,24 @@ def sum_parts() -> int:
     return int(v)
 
 
-def _compile_score(fp8, h, d, arch, w_regs, parts=1, hist=False, pingpong=True):
+def _compile_score(fp8, h, d, arch, w_regs, parts=1, hist=False, pingpong=False, head_sum="f32"):
     from .indexer_score import compile_score
 
-    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts, hist=hist, pingpong=pingpong)
+    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts, hist=hist, pingpong=pingpong,
+                         head_sum=head_sum)
+
+
+def score_head_sum() -> str:
+    """The score kernel's head-sum arithmetic for this call (:data:`ENV_SCORE_HEADSUM`)."""
+    v = os.environ.get(ENV_SCORE_HEADSUM, "f32").strip().lower() or "f32"
+    if v not in ("f32", "bf16x2"):
+        raise ValueError(f"{ENV_SCORE_HEADSUM}={v!r}: expected f32 or bf16x2")
+    return v
 
 
 def score_pingpong() -> bool:
     """Whether the score kernel's warpgroups take turns issuing their MMAs (:data:`ENV_SCORE_PINGPONG`)."""
-    v = os.environ.get(ENV_SCORE_PINGPONG, "1").strip() or "1"
+    v = os.environ.get(ENV_SCORE_PINGPONG, "0").strip() or "0"
     if v not in ("0", "1"):
         raise ValueError(f"{ENV_SCORE_PINGPONG}={v!r}: expected 0 or 1")
     return v == "1"
@@ -227,9 +240,11 @@ def topk_hist(p) -> str:
 def _score_fn(p, hist: str = ""):
     fp8, arch = p.is_fp8, _arch(p)
     w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
-    parts, pp = sum_parts(), score_pingpong()
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, hist, pp, arch),
-                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist, pp))
+    parts, pp, hs = sum_parts(), score_pingpong(), score_head_sum()
+    if hs != "f32":
+        w_regs = True  # the packed head sum keeps its weights in registers
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, hist, pp, hs, arch),
+                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist, pp, hs))
 
 
 def _topk_fn(p, return_logits: bool, pre_hist=False):

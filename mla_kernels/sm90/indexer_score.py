@@ -77,6 +77,9 @@ THREADS = 384
 SMEM_LIMIT = 232448
 BAR_W = 1  # the consumers' weights are in smem (and, with ``hist``, the histograms zeroed / complete)
 BAR_HIST = 2  # with ``hist``: every consumer's counts are in (the histograms are written out)
+#: The head sum's arithmetic: ``f32`` (default: FMNMX + FFMA per score) or ``bf16x2`` (opt-in:
+#: packed ReLU + bf16x2 FMA per two scores, see :func:`~mla_kernels.common.indexer_device.weighted_relu_rows_bf16x2`)
+HEAD_SUMS = ("f32", "bf16x2")
 BAR_PP0 = 3  # ``pingpong``: WG0 may issue its MMA (WG1 syncs BAR_PP0 + 1; 256 threads: sync + arrive)
 BINS = 2048  # the top-k's first digit: the top 11 bits of the ordered key
 HIST_SHIFT = 21
@@ -98,7 +101,8 @@ class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
     def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True,
-                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0, pingpong: bool = True):
+                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0, pingpong: bool = False,
+                 head_sum: str = "f32"):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
@@ -107,6 +111,11 @@ class IndexerScoreSm90:
             raise ValueError(f"profile {profile!r}: expected '', 'mma' or 'nostore'")
         self.profile = profile
         self.pingpong = pingpong
+        if head_sum not in HEAD_SUMS:
+            raise ValueError(f"head_sum {head_sum!r}: expected one of {HEAD_SUMS}")
+        self.packed = head_sum == "bf16x2"
+        if self.packed and not w_regs:
+            raise ValueError("head_sum 'bf16x2' takes the weights in registers (w_regs=True)")
         self.w_regs = w_regs
         self.ks_early = ks_early
         self.sum_parts = sum_parts
@@ -342,6 +351,9 @@ class IndexerScoreSm90:
         rW = cute.make_rmem_tensor((2 * BN // 8 if self.w_regs else 2,), Float32)
         if const_expr(self.w_regs):
             idev.load_weight_cols(rW, sW, w_off, BN, lane_quad)
+        rWp = cute.make_rmem_tensor((BN // 8 if self.packed else 1,), Uint32)
+        if const_expr(self.packed):
+            idev.load_weight_pairs(rWp, rW, BN // 8)
         rKs = cute.make_rmem_tensor((2,), Float32)
         if const_expr(self.pingpong):
             if wg == 1:  # WG0 issues the first MMA
@@ -379,7 +391,9 @@ class IndexerScoreSm90:
             else:
                 # head sum per (key row, query), then the quad reduce-scatter
                 for qi in cutlass.range_constexpr(self.bq):
-                    if const_expr(self.w_regs):
+                    if const_expr(self.packed):
+                        s0, s1 = idev.weighted_relu_rows_bf16x2(acc, rWp, qi * self.h, self.h)
+                    elif const_expr(self.w_regs):
                         s0, s1 = idev.weighted_relu_rows_reg(acc, rW, qi * self.h, self.h, self.sum_parts)
                     else:
                         s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad,
@@ -417,15 +431,15 @@ class IndexerScoreSm90:
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, pingpong: bool = True,
-                  **kw):
+                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, pingpong: bool = False,
+                  head_sum: str = "f32", **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
     n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld, h_rows, h_cols = (cute.sym_int() for _ in range(10))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages, pingpong)
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages, pingpong, head_sum)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),
