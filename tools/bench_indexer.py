@@ -510,9 +510,9 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
         ins = [ih._score_inputs(p) for p in probs]
         # (profile, w_regs, ks_early, sum_parts, hist mode, stages, pingpong)
         if old:
-            variants = [("", False, True, 1, "", 0, True), ("", True, True, 2, "", 0, True),
-                        ("", True, True, 4, "", 0, True)]
-            variants += [("", True, False, 1, "", 0, True)] if fp8 else []  # k_scale in the epilogue (the old place)
+            variants = [("", False, True, 1, "", 0, False), ("", True, True, 2, "", 0, False),
+                        ("", True, True, 4, "", 0, False)]
+            variants += [("", True, False, 1, "", 0, False)] if fp8 else []  # k_scale in the epilogue (the old place)
         else:
             variants = [("", True, True, 1, "", 0, False), ("mma", True, True, 1, "", 0, False)]
             # the warpgroups taking turns at the tensor core (ping-pong), full and MMAs alone
