@@ -72,13 +72,15 @@ HIST_BINS = 2048
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
-#: ``0``: the score kernel's two consumer warpgroups issue their MMAs whenever their key tile is
-#: in (the first version: they ran their MMAs, then their epilogues, side by side) instead of
-#: taking turns through two named barriers (``indexer_score.py``, ``pingpong``).
+#: ``1``: the score kernel's two consumer warpgroups take turns issuing their MMAs through two named
+#: barriers (``indexer_score.py``, ``pingpong``) instead of issuing whenever their key tile is in
+#: (default ``0``: the ping-pong measured no faster on an H200, docs/PERF.md).
 ENV_SCORE_PINGPONG = "MLA_KERNELS_INDEXER_SCORE_PINGPONG"
 #: ``bf16x2``: the score kernel's head sum in packed bf16 (``cvt.rn.relu.bf16x2`` + ``fma.rn.bf16x2``
-#: per two scores: fewer instructions, scores rounded at bf16 precision -- an opt-in, see
-#: docs/PERF.md for its error); ``f32`` (default): float32 ReLU + FMA per score.
+#: per two scores: fewer instructions, scores rounded at bf16 precision -- an opt-in: on an H200 at
+#: S 32k ``indexer_topk`` bf16 14.82 -> 13.59 ms, fp8 11.22 -> 10.62, logits within ~1e-2 of the row's
+#: largest |logit| (median 5e-4), 0.26% of the selected keys differ; docs/PERF.md); ``f32``
+#: (default): float32 ReLU + FMA per score.
 ENV_SCORE_HEADSUM = "MLA_KERNELS_INDEXER_SCORE_HEADSUM"
 #: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
 #: first version) instead of one block ahead.

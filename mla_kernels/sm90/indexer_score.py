@@ -52,6 +52,22 @@ off by default: on an H200 at S 32k the counting costs the score kernel more (bf
 fp8 +0.2 ms) than it saves the top-k kernel (-0.65 ms), see docs/PERF.md.  (A third mode that
 merged a warp's equal (row, bin) counts by ``match.any.sync`` first cost +4 ms: removed.)
 
+``pingpong`` (opt-in): the two consumer warpgroups take turns issuing their MMAs (each syncs its
+own named barrier ``BAR_PP0 + wg`` before issuing and arrives on the other's after committing;
+WG1 arrives once before its loop so that WG0 starts, and skips its last arrive so that none is
+left pending), FlashAttention-3's schedule, so that one warpgroup's epilogue runs under the
+other's MMA.  Measured no faster on an H200 at S 32k (score kernel fp8 8.58 vs 8.65 ms, bf16
+13.19 vs 12.58; MMAs alone 5.49 / 10.80): the epilogue does not overlap the MMAs in either
+schedule, so the default issues without turns (docs/PERF.md).
+
+``head_sum="bf16x2"`` (opt-in): the head sum in packed bf16 -- per pair of adjacent heads one
+``cvt.rn.relu.bf16x2.f32`` and one ``fma.rn.bf16x2`` against bf16-packed weights, a row's pairs
+accumulated in one bf16x2 word whose halves are summed in float32
+(:func:`~mla_kernels.common.indexer_device.weighted_relu_rows_bf16x2`): ~9 instructions per 16
+scores instead of 32.  H200, S 32k: score kernel bf16 12.58 -> 11.45 ms, fp8 8.65 -> 7.88; the
+logits are within ~1e-2 of the row's largest |logit| (median 5e-4) and 0.26% of the selected keys
+differ from the float32 head sum's.
+
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
 """
