@@ -42,6 +42,36 @@ def test_score_kernels_use_wgmma_and_tma(report):
 
 
 @pytest.mark.compile
+def test_score_kernel_options_pingpong_and_packed_head_sum(report):
+    """Two opt-ins of the fp8 score kernel (one compile each).  ``pingpong``: each consumer
+    warpgroup syncs its own named barrier (id 3 + wg: one ``BAR.SYNC`` site, id in a register)
+    before issuing its MMAs and arrives on the other's after committing them (one ``BAR.ARV``
+    site, id in a register), WG1 once more before its loop (id 3, an immediate), 256 threads each;
+    the default kernels have none of these.  ``head_sum="bf16x2"``: per tile 64 packed ReLUs
+    (``F2FP.RELU``, two scores each) and 64 bf16x2 multiply-adds instead of 128 ``FMNMX`` + 128
+    ``FFMA``; no spills."""
+    from mla_kernels.sm90.indexer_score import compile_score
+
+    cr = compile_report_module()
+    nvd = cr.find_nvdisasm()
+    for name in ("sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128"):
+        if report[name]["barriers"] is not None:
+            assert {st["id"] for st in report[name]["barriers"]} <= {0, 1}, "ping-pong barriers in a default kernel"
+    r = cr.report_one("pp", lambda a, **kw: compile_score(True, 64, 128, a, pingpong=True, **kw), "sm_90a", nvd)
+    rp = cr.report_one("packed", lambda a, **kw: compile_score(True, 64, 128, a, head_sum="bf16x2", **kw),
+                       "sm_90a", nvd)
+    sass, base = _common(rp)
+    assert sass.get("F2FP.RELU.BF16.F32.PACK_AB", 0) == 64 and base.get("FMNMX", 0) == 0
+    assert base.get("HFMA2", 0) + base.get("HMUL2", 0) == 64 and base.get("FFMA", 0) == 0
+    assert sass.get("QGMMA.64x256x32.F32.E4M3.E4M3", 0) == 4
+    _common(r)
+    sites = [st for st in r["barriers"] if st["id"] not in (0, 1)]  # 0: the pipeline's init, 1: weights
+    got = sorted((st["op"], -1 if st["id"] is None else st["id"], st["threads"]) for st in sites)
+    assert got == sorted([("SYNC", -1, 256), ("ARV", -1, 256), ("ARV", 3, 256)]), sites
+    assert cr.bar_sync_repeats(r["barriers"], dynamic_ids=(3, 4)) == {}
+
+
+@pytest.mark.compile
 def test_score_kernel_with_the_fused_histogram(report):
     """``hist`` (its default mode, ``pad``): per key tile two shared atomics per thread (one per
     score it writes), the histograms' two stores; bf16 d 128 fits with 4 key stages; no spills."""
@@ -168,6 +198,34 @@ def test_loss_and_sum_settings(monkeypatch):
     monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, "yes")
     with pytest.raises(ValueError, match="0 or 1"):
         indexer_host._loss_rotate()
+    monkeypatch.delenv(indexer_host.ENV_SCORE_PINGPONG, raising=False)
+    assert indexer_host.score_pingpong() is False  # measured no faster (docs/PERF.md): opt-in
+    monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "1")
+    assert indexer_host.score_pingpong() is True
+    monkeypatch.delenv(indexer_host.ENV_SCORE_HEADSUM, raising=False)
+    assert indexer_host.score_head_sum() == "f32"
+    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "BF16x2")
+    assert indexer_host.score_head_sum() == "bf16x2"
+    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "fp16")
+    with pytest.raises(ValueError, match="f32 or bf16x2"):
+        indexer_host.score_head_sum()
+    from mla_kernels.sm90.indexer_score import IndexerScoreSm90
+
+    with pytest.raises(ValueError, match="expected one of"):
+        IndexerScoreSm90(True, 64, 128, head_sum="f16")
+    with pytest.raises(ValueError, match="registers"):
+        IndexerScoreSm90(True, 64, 128, w_regs=False, head_sum="bf16x2")
+    monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "on")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        indexer_host.score_pingpong()
+    monkeypatch.delenv(indexer_host.ENV_DK, raising=False)
+    assert indexer_host.dk_mode(False) == "red"
+    monkeypatch.setenv(indexer_host.ENV_DK, "red_bf16")
+    assert indexer_host.dk_mode(False) == "red_bf16"
+    assert indexer_host.dk_mode(True) == "fixed_bulk64"  # deterministic: its own setting
+    monkeypatch.setenv(indexer_host.ENV_DK, "bf16")
+    with pytest.raises(ValueError, match="red, red_bf16, bulk or none"):
+        indexer_host.dk_mode(False)
 
 
 def test_topk_workspace_rows():

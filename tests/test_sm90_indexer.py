@@ -357,6 +357,72 @@ def test_topk_large_causal_sampled_rows(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fp8", [False, True])
+def test_score_pingpong_matches_side_by_side_bitwise(fp8, monkeypatch):
+    """The score kernel's warpgroups taking turns at the tensor core (opt-in,
+    MLA_KERNELS_INDEXER_SCORE_PINGPONG=1) change only when each MMA is issued, not what any thread
+    computes: logits bitwise equal to the default's on random inputs with ranges (an empty one, a
+    query tile with few key tiles), at h_idx 64 and 16; the top-k the same."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    for s_q, s_kv, h, d, kind in ((300, 1500, 64, 128, "ranges"), (130, 777, 16, 64, "ranges"),
+                                  (260, 900, 64, 128, "causal")):
+        q, k, w, qs, ksc = rand_inputs(s_q, h, d, s_kv, seed=s_q + 5, fp8=fp8)
+        kst, ken = ranges(s_q, s_kv, kind, seed=s_q + 1)
+        outs = {}
+        for pp in ("0", "1"):
+            monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, pp)
+            lg = mk.indexer_logits(q, k, w, sm_scale=0.3, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
+            ti, tl = mk.indexer_topk(q, k, w, 100, sm_scale=0.3, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
+            torch.cuda.synchronize()
+            outs[pp] = (lg, ti, tl)
+        assert torch.equal(outs["0"][0], outs["1"][0]), f"logits differ ({s_q}, {s_kv}, h {h})"
+        assert torch.equal(outs["0"][1], outs["1"][1]) and torch.equal(outs["0"][2], outs["1"][2])
+        want = ref.indexer_logits_ref(q, k, w, 0.3, kst, ken, qs, ksc)
+        check_logits(outs["1"][0], want, rtol=1e-3 if fp8 else 2e-5)
+    monkeypatch.setenv(indexer_host.ENV_SCORE_PINGPONG, "sometimes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        mk.indexer_logits(q, k, w, sm_scale=0.3, q_scale=qs, k_scale=ksc)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_score_packed_head_sum(fp8, monkeypatch):
+    """MLA_KERNELS_INDEXER_SCORE_HEADSUM=bf16x2 (opt-in): the head sum in packed bf16 -- logits
+    within bf16 rounding of the reference (ReLU(S), the weights and the running sums rounded to
+    bf16: bounded here by 2^-6 of the row's largest |logit| and |w| sum; the measured error is
+    printed), the -inf pattern of the ranges exact, and the top-k a valid selection of the
+    packed logits themselves."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv(indexer_host.ENV_SCORE_HEADSUM, "bf16x2")
+    for s_q, s_kv, h, d, kind in ((300, 1500, 64, 128, "ranges"), (130, 777, 16, 64, "ranges"),
+                                  (77, 1000, 32, 128, "causal")):
+        q, k, w, qs, ksc = rand_inputs(s_q, h, d, s_kv, seed=s_q + 9, fp8=fp8)
+        kst, ken = ranges(s_q, s_kv, kind, seed=s_q + 2)
+        got = mk.indexer_logits(q, k, w, sm_scale=0.3, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
+        want = ref.indexer_logits_ref(q, k, w, 0.3, kst, ken, qs, ksc).float()
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        fin = torch.isfinite(want)
+        # scale of the terms: sum_j |w_eff| |q . k| per element (the bf16 roundings are relative to it)
+        qf = q.float() * (qs[..., None] if fp8 else 1.0)
+        kf = k.float() * (ksc[:, None] if fp8 else 1.0)
+        terms = torch.einsum("thd,sd->ts", (w.abs()[..., None] * qf.abs()), kf.abs()) * 0.3
+        err = torch.where(fin, (got - want).abs(), torch.zeros_like(got))
+        ratio = (err / terms.clamp_min(1e-30))[fin]
+        print(f"packed head sum ({'fp8' if fp8 else 'bf16'}, {s_q}x{s_kv} h {h}): |err| / sum|terms| max "
+              f"{ratio.max().item():.3g}, median {ratio.median().item():.3g}")
+        assert ratio.max().item() <= 2.0 ** -6
+        idx, ln = mk.indexer_topk(q, k, w, 50, sm_scale=0.3, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc)
+        for t in range(0, s_q, 7):  # each row: the packed logits' own top 50 (ties to the smaller key)
+            row = got[t]
+            valid = torch.isfinite(row).nonzero().flatten()
+            order = sorted(valid.tolist(), key=lambda i: (-float(row[i]), i))[:50]
+            assert int(ln[t]) == len(order)
+            assert idx[t, : len(order)].tolist() == sorted(order), f"row {t}"
+
+
 # The loss
 # ---------------------------------------------------------------------------------------------
 
@@ -451,6 +517,34 @@ def test_loss_backward_dk_bulk(d, monkeypatch):
     wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)
     for name, a, b in (("dq", dq, wq), ("dk", dk, wk), ("dw", dw, ww)):
         assert rel_l2(a.float(), b) <= 1e-2, f"{name} rel L2 {rel_l2(a.float(), b):.3g}"
+
+
+def test_loss_backward_dk_bf16_atomics(monkeypatch):
+    """MLA_KERNELS_INDEXER_DK=red_bf16 (opt-in): dk summed by bf16x2 atomics into a bf16 workspace.
+    dq and dw do not depend on the dk mode (bitwise equal to the default's); dk is the same sum
+    rounded to bf16 at every addition: near the reference within a bf16 accumulation's error (the
+    measured error is printed), keys no active slot selects exactly 0."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    d, s_q, s_kv = 128, 400, 300  # ~270 selections per key: long bf16 sums
+    q, k, w, idx, tgt, lens = loss_case(s_q, s_kv, 256, d, seed=12, tl=True)
+    g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(3)).cuda()
+    monkeypatch.setenv(indexer_host.ENV_DK, "red")
+    dq0, dk0, dw0 = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
+    monkeypatch.setenv(indexer_host.ENV_DK, "red_bf16")
+    dq, dk, dw = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
+    torch.cuda.synchronize()
+    assert torch.equal(dq, dq0) and torch.equal(dw, dw0)
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)
+    wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)
+    e_bf16, e_f32 = rel_l2(dk.float(), wk), rel_l2(dk0.float(), wk)
+    print(f"dk rel L2 vs the reference: red_bf16 {e_bf16:.3g}, red (float32 atomics) {e_f32:.3g}")
+    assert not torch.isnan(dk).any() and e_bf16 <= 5e-2, f"dk rel L2 {e_bf16:.3g}"
+    used = torch.zeros(s_kv, dtype=torch.bool, device="cuda")
+    v = ref.valid_mask(idx, s_kv, lens) & (inv > 0)[:, None]
+    used[idx[v].long()] = True
+    assert (dk[~used] == 0).all()
 
 
 def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):

@@ -47,7 +47,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "ascending key order), loss_rotate (the loss forward and forward + backward with "
                          "MLA_KERNELS_INDEXER_LOSS_ROTATE=0, rows *_norotate: each query's blocks visited in order "
                          "instead of from block t mod n, the default), "
-                         "loss_bulk (dk by bulk reduce), "
+                         "loss_bulk (dk by bulk reduce), loss_bf16dk (dk by bf16x2 atomics, "
+                         "MLA_KERNELS_INDEXER_DK=red_bf16, with dk's error vs the float32 atomics'), "
                          "loss_det_modes (every deterministic dk mode), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
@@ -56,7 +57,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "smem per key tile, _wsmem; fp8 _kslate: k_scale loaded in the epilogue instead of "
                          "before the MMA; _chainsN: the head sums in N FMA chains instead of 1), "
                          "sum_parts (indexer_topk bf16/fp8 and indexer_loss forward + backward with "
-                         "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4)")
+                         "MLA_KERNELS_INDEXER_SUM_PARTS=2 and 4), sum_parts_topk (only the top-k rows of sum_parts), topk_nopp (both top-k rows with "
+                         "MLA_KERNELS_INDEXER_SCORE_PINGPONG=0, the default), topk_pp (=1: the score kernel's "
+                         "warpgroups take turns issuing their MMAs), topk_packed (MLA_KERNELS_INDEXER_SCORE_HEADSUM="
+                         "bf16x2: the head sum in packed bf16, with its logits / top-k differences to the float32 "
+                         "head sum); score_profile also times _pp and _bf16x2sum copies)")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -246,6 +251,32 @@ def rows(args):
                 _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_nohist")
             finally:
                 os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
+        if "sum_parts_topk" in mine and cuda:
+            for parts in ("2", "4"):
+                os.environ["MLA_KERNELS_INDEXER_SUM_PARTS"] = parts
+                try:
+                    _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, f"_chains{parts}")
+                finally:
+                    os.environ.pop("MLA_KERNELS_INDEXER_SUM_PARTS", None)
+        if "topk_packed" in mine and cuda:
+            os.environ["MLA_KERNELS_INDEXER_SCORE_HEADSUM"] = "bf16x2"
+            try:
+                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_bf16x2sum")
+            finally:
+                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_HEADSUM", None)
+            _packed_error(S, TOPK, sets, scale)
+        if "topk_pp" in mine and cuda:
+            os.environ["MLA_KERNELS_INDEXER_SCORE_PINGPONG"] = "1"
+            try:
+                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_pp")
+            finally:
+                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_PINGPONG", None)
+        if "topk_nopp" in mine and cuda:
+            os.environ["MLA_KERNELS_INDEXER_SCORE_PINGPONG"] = "0"
+            try:
+                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_nopp")
+            finally:
+                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_PINGPONG", None)
         if "hist_modes" in mine and cuda:
             for mode in ("0", "plain", "pad"):
                 os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = mode
@@ -261,7 +292,7 @@ def rows(args):
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores)
         if "score_profile_old" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=True)
-        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_det_modes", "loss_nodk", "loss_noprefetch",
+        loss_cases = ("loss", "loss_det", "loss_bulk", "loss_bf16dk", "loss_det_modes", "loss_nodk", "loss_noprefetch",
                       "loss_shuffled", "loss_rotate")
         if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
@@ -274,6 +305,7 @@ def rows(args):
             # MLA_KERNELS_INDEXER_DET ("" = the default fixed_bulk64, or one of the other modes)
             variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "")] if "loss_det" in mine else [])
             variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
+            variants += [(False, "red_bf16")] if ("loss_bf16dk" in mine and cuda) else []
             variants += [(False, "none")] if ("loss_nodk" in mine and cuda) else []
             variants += [(False, "noprefetch"), (True, "noprefetch")] if ("loss_noprefetch" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
@@ -320,6 +352,8 @@ def rows(args):
                 _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
+            if "loss_bf16dk" in mine and cuda:
+                _dk_error(leaves[0], idx_sorted, tgt_sorted, ln, scale)
             os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
             os.environ.pop("MLA_KERNELS_INDEXER_LOSS_ROTATE", None)
             del leaves
@@ -329,6 +363,59 @@ def rows(args):
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def _packed_error(S, TOPK, sets, scale, n_logit_rows=2048, n_rows=512):
+    """The packed bf16x2 head sum (``MLA_KERNELS_INDEXER_SCORE_HEADSUM=bf16x2``) against the float32
+    one, bf16 and fp8 inputs: logits of the last ``n_logit_rows`` queries (error over the row's
+    largest |logit|: max and median), and the top-k sets of the full problem (fraction of
+    ``n_rows`` sampled rows' selected keys that differ)."""
+    s = sets[0]
+    s8 = dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn), w=s["w"],
+              q_scale=torch.ones(S, H, device="cuda"), k_scale=torch.ones(S, device="cuda"))
+    rows = torch.randperm(S, generator=torch.Generator().manual_seed(0))[:n_rows].cuda()
+    for tag, x, extra in (("bf16", s, {}), ("fp8", s8, dict(q_scale=s8["q_scale"], k_scale=s8["k_scale"]))):
+        lg, tk = {}, {}
+        t0 = S - n_logit_rows
+        ke = torch.arange(t0 + 1, S + 1, dtype=torch.int32, device="cuda")
+        ks = torch.zeros_like(ke)
+        ex = dict(extra, q_scale=extra["q_scale"][t0:]) if extra else {}
+        for mode in ("f32", "bf16x2"):
+            os.environ["MLA_KERNELS_INDEXER_SCORE_HEADSUM"] = mode
+            lg[mode] = mk.indexer_logits(x["q"][t0:], x["k"], x["w"][t0:], sm_scale=scale, k_start=ks, k_end=ke, **ex)
+            tk[mode] = mk.indexer_topk(x["q"], x["k"], x["w"], TOPK, sm_scale=scale, **extra)[0][rows]
+        os.environ.pop("MLA_KERNELS_INDEXER_SCORE_HEADSUM", None)
+        a, b = lg["bf16x2"], lg["f32"]
+        fin = torch.isfinite(b)
+        rmax = torch.where(fin, b.abs(), torch.zeros_like(b)).amax(1, keepdim=True).clamp_min(1e-30)
+        rel = torch.where(fin, (a - b).abs() / rmax, torch.zeros_like(b))
+        diff = 0
+        for i in range(n_rows):
+            u, v = tk["f32"][i], tk["bf16x2"][i]
+            u, v = u[u >= 0], v[v >= 0]
+            diff += u.numel() - torch.isin(u, v).sum().item()
+        tot = (tk["f32"] >= 0).sum().item()
+        print(f"  head sum bf16x2 vs f32, {tag}: logits |err| / row max|logit|: max {rel.max().item():.3e}, "
+              f"median {rel[fin].median().item():.3e}; top-k keys differing: {diff} of {tot} "
+              f"({100.0 * diff / max(tot, 1):.2f}%) over {n_rows} rows", flush=True)
+    del s8
+
+
+def _dk_error(s, idx, tgt, ln, scale):
+    """dk of the ``red_bf16`` mode (bf16x2 atomics) against the default float32 atomics' on the
+    same inputs: relative Frobenius error and the largest error over the largest |dk| (printed)."""
+    dks = {}
+    for mode in ("red", "red_bf16"):
+        os.environ["MLA_KERNELS_INDEXER_DK"] = mode
+        k = s["k"].detach().clone().requires_grad_(True)
+        mk.indexer_loss(s["q"].detach(), k, s["w"].detach(), idx, tgt, sm_scale=scale, topk_length=ln).backward()
+        dks[mode] = k.grad.float()
+    os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
+    ref, got = dks["red"], dks["red_bf16"]
+    fro = ((got - ref).norm() / ref.norm()).item()
+    mx = ((got - ref).abs().max() / ref.abs().max()).item()
+    print(f"  dk red_bf16 vs red (float32 atomics, then bf16): relative Frobenius error {fro:.3e}, "
+          f"max |error| / max |dk| {mx:.3e}", flush=True)
 
 
 def shuffle_slots(idx, tgt, length, seed=0):
@@ -421,17 +508,22 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
             else:
                 probs.append(make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale))
         ins = [ih._score_inputs(p) for p in probs]
-        # (profile, w_regs, ks_early, sum_parts, hist mode, stages)
+        # (profile, w_regs, ks_early, sum_parts, hist mode, stages, pingpong)
         if old:
-            variants = [("", False, True, 1, "", 0), ("", True, True, 2, "", 0), ("", True, True, 4, "", 0)]
-            variants += [("", True, False, 1, "", 0)] if fp8 else []  # k_scale in the epilogue (the old place)
+            variants = [("", False, True, 1, "", 0, False), ("", True, True, 2, "", 0, False),
+                        ("", True, True, 4, "", 0, False)]
+            variants += [("", True, False, 1, "", 0, False)] if fp8 else []  # k_scale in the epilogue (the old place)
         else:
-            variants = [("", True, True, 1, "", 0), ("nostore", True, True, 1, "", 0), ("mma", True, True, 1, "", 0)]
-            variants += [("", True, True, 1, m, 0) for m in ("plain", "pad")]
-            variants += [("", True, True, 1, "", 4)] if not fp8 else []  # the stages bf16 keeps with hist
-        for prof, w_regs, ks_early, parts, hi, stages in variants:
+            variants = [("", True, True, 1, "", 0, False), ("mma", True, True, 1, "", 0, False)]
+            # the warpgroups taking turns at the tensor core (ping-pong), full and MMAs alone
+            variants += [("", True, True, 1, "", 0, True)]
+            # the head sum in packed bf16 (opt-in), alone and with the ping-pong
+            variants += [("", True, True, 1, "", 0, False, "bf16x2"), ("", True, True, 1, "", 0, True, "bf16x2")]
+
+        for prof, w_regs, ks_early, parts, hi, stages, pp, *hs in variants:
+            hs = hs[0] if hs else "f32"
             _, fn = compile_score(fp8, H, D, arch, profile=prof, w_regs=w_regs, ks_early=ks_early, sum_parts=parts,
-                                  hist=hi, stages=stages)
+                                  hist=hi, stages=stages, pingpong=pp, head_sum=hs)
             hb = hist if hi else ih.no_hist("cuda")
 
             def f(i, fn=fn, hb=hb):
@@ -442,7 +534,8 @@ def _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=False):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             tag = (f"score_{'fp8' if fp8 else 'bf16'}_{prof or 'full'}" + ("" if w_regs else "_wsmem")
                    + ("" if ks_early else "_kslate") + ("" if parts == 1 else f"_chains{parts}")
-                   + (f"_hist{hi}" if hi else "") + (f"_s{stages}" if stages else ""))
+                   + (f"_hist{hi}" if hi else "") + (f"_s{stages}" if stages else "") + ("_pp" if pp else "")
+                   + ("" if hs == "f32" else f"_{hs}sum"))
             _row(out, tag, "ours", S, TOPK, med, ts, fl_scores)
         del probs, ins
 

@@ -86,6 +86,26 @@ def workload() -> int:
             return all(torch.equal(a, b.to(a.dtype)) for a, b in zip(got, want))
 
         step(f"score+topk logits {tag}", logits)
+
+        def logits_opt(q=q, k=k, sc=sc, env=None):
+            # the score kernel's opt-ins: ping-pong (same arithmetic: exact), packed bf16x2 head sum
+            # (within bf16 rounding: 2^-6 of the largest |logit|)
+            os.environ[env[0]] = env[1]
+            try:
+                got = mk.indexer_logits(q, k, wi, sm_scale=0.5, k_start=ks, k_end=ke, **sc)
+            finally:
+                os.environ.pop(env[0], None)
+            want = ref.indexer_logits_ref(q, k, wi, 0.5, ks, ke, sc.get("q_scale"), sc.get("k_scale")).float()
+            if env[1] == "1":
+                return torch.equal(got, want)
+            fin = torch.isfinite(want)
+            if not torch.equal(torch.isneginf(got), torch.isneginf(want)):
+                return False
+            return bool(((got - want)[fin].abs().max() <= 2.0 ** -6 * want[fin].abs().max()).item())
+
+        step(f"score+topk logits {tag} pingpong", lambda: logits_opt(env=(indexer_host.ENV_SCORE_PINGPONG, "1")))
+        step(f"score+topk logits {tag} headsum=bf16x2",
+             lambda: logits_opt(env=(indexer_host.ENV_SCORE_HEADSUM, "bf16x2")))
         step(f"score+topk topk {tag}", topk)  # the default fused-histogram mode
         for mode in ("0",) + indexer_host.HIST_MODES:  # the row pass and every counting mode
             def topk_mode(q=q, k=k, sc=sc, mode=mode):
@@ -138,11 +158,11 @@ def workload() -> int:
         return rel(rows, ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, 0.1, tl)[0]) < 1e-4
 
     step("loss fwd", loss_fwd)
-    modes = (("red", False), ("bulk", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
+    modes = (("red", False), ("bulk", False), ("red_bf16", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
              ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True))
     for mode, det in modes:
         def loss_bwd(mode=mode, det=det):
-            os.environ[indexer_host.ENV_DK] = "bulk" if mode == "bulk" else "red"
+            os.environ[indexer_host.ENV_DK] = mode if mode in ("bulk", "red_bf16") else "red"
             os.environ[indexer_host.ENV_DET] = mode if det else "fixed_bulk64"
             qq, kk, ww = (x.clone().requires_grad_(True) for x in (q, k, w))
             rows = mk.indexer_loss(qq, kk, ww, idx, tgt, sm_scale=0.1, topk_length=tl, reduction="none",

@@ -41,8 +41,9 @@ from ..common.kernel_backend import cached
 
 #: Upper bound of the top-k's score workspace (float32 rows of s_kv scores).
 WORKSPACE_BYTES = 512 << 20
-#: How the loss backward adds dk: ``red`` (16-byte float atomics from registers) or ``bulk``
-#: (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
+#: How the loss backward adds dk: ``red`` (16-byte float atomics from registers), ``red_bf16``
+#: (8-byte bf16x2 atomics into a bf16 workspace: half the bytes, every addition rounded to bf16 --
+#: an opt-in, less exact) or ``bulk`` (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
 ENV_DK = "MLA_KERNELS_INDEXER_DK"
 #: How the deterministic loss backward adds dk: ``fixed_bulk64`` (default), ``fixed_bulk``,
 #: ``fixed_bulk2``, ``fixed_bulk32x2``, ``fixed_red`` (fixed-point int64 sums, see the module
@@ -71,6 +72,16 @@ HIST_BINS = 2048
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
+#: ``1``: the score kernel's two consumer warpgroups take turns issuing their MMAs through two named
+#: barriers (``indexer_score.py``, ``pingpong``) instead of issuing whenever their key tile is in
+#: (default ``0``: the ping-pong measured no faster on an H200, docs/PERF.md).
+ENV_SCORE_PINGPONG = "MLA_KERNELS_INDEXER_SCORE_PINGPONG"
+#: ``bf16x2``: the score kernel's head sum in packed bf16 (``cvt.rn.relu.bf16x2`` + ``fma.rn.bf16x2``
+#: per two scores: fewer instructions, scores rounded at bf16 precision -- an opt-in: on an H200 at
+#: S 32k ``indexer_topk`` bf16 14.82 -> 13.59 ms, fp8 11.22 -> 10.62, logits within ~1e-2 of the row's
+#: largest |logit| (median 5e-4), 0.26% of the selected keys differ; docs/PERF.md); ``f32``
+#: (default): float32 ReLU + FMA per score.
+ENV_SCORE_HEADSUM = "MLA_KERNELS_INDEXER_SCORE_HEADSUM"
 #: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
 #: first version) instead of one block ahead.
 ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
@@ -158,10 +169,27 @@ def sum_parts() -> int:
     return int(v)
 
 
-def _compile_score(fp8, h, d, arch, w_regs, parts=1, hist=False):
+def _compile_score(fp8, h, d, arch, w_regs, parts=1, hist=False, pingpong=False, head_sum="f32"):
     from .indexer_score import compile_score
 
-    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts, hist=hist)
+    return compile_score(fp8, h, d, arch, w_regs=w_regs, sum_parts=parts, hist=hist, pingpong=pingpong,
+                         head_sum=head_sum)
+
+
+def score_head_sum() -> str:
+    """The score kernel's head-sum arithmetic for this call (:data:`ENV_SCORE_HEADSUM`)."""
+    v = os.environ.get(ENV_SCORE_HEADSUM, "f32").strip().lower() or "f32"
+    if v not in ("f32", "bf16x2"):
+        raise ValueError(f"{ENV_SCORE_HEADSUM}={v!r}: expected f32 or bf16x2")
+    return v
+
+
+def score_pingpong() -> bool:
+    """Whether the score kernel's warpgroups take turns issuing their MMAs (:data:`ENV_SCORE_PINGPONG`)."""
+    v = os.environ.get(ENV_SCORE_PINGPONG, "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_SCORE_PINGPONG}={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False):
@@ -214,9 +242,11 @@ def topk_hist(p) -> str:
 def _score_fn(p, hist: str = ""):
     fp8, arch = p.is_fp8, _arch(p)
     w_regs = os.environ.get(ENV_SCORE_WREGS, "1").strip() != "0"
-    parts = sum_parts()
-    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, hist, arch),
-                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist))
+    parts, pp, hs = sum_parts(), score_pingpong(), score_head_sum()
+    if hs != "f32":
+        w_regs = True  # the packed head sum keeps its weights in registers
+    return cached(("IndexerScoreSm90", fp8, p.h, p.d, w_regs, parts, hist, pp, hs, arch),
+                  lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist, pp, hs))
 
 
 def _topk_fn(p, return_logits: bool, pre_hist=False):
@@ -334,8 +364,8 @@ def dk_mode(deterministic: bool) -> str:
             raise ValueError(f"{ENV_DET}={mode!r}: expected one of {', '.join(DET_MODES)}")
         return mode
     mode = os.environ.get(ENV_DK, "red").strip().lower() or "red"
-    if mode not in ("red", "bulk", "none"):
-        raise ValueError(f"{ENV_DK}={mode!r}: expected red, bulk or none (profiling: no dk)")
+    if mode not in ("red", "red_bf16", "bulk", "none"):
+        raise ValueError(f"{ENV_DK}={mode!r}: expected red, red_bf16, bulk or none (profiling: no dk)")
     return mode
 
 
@@ -375,6 +405,10 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
         fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, acc, scale, p.sm_scale)
         dk = acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
         return dq, dk, dw.to(p.weights.dtype)
+    if mode == "red_bf16":  # bf16 atomics: the sums rounded to bf16 at every addition (opt-in)
+        dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.bfloat16, device=dev)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, p.sm_scale)
+        return dq, dk_acc.to(p.k.dtype).reshape(p.k_shape), dw.to(p.weights.dtype)
     dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.float32, device=dev)
     if not deterministic:
         fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, p.sm_scale)

@@ -12,6 +12,9 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
 3. ``dK_sel = dS^T q_t`` (wgmma RS, 64 slots x 64 columns per chunk, ``q_t^T`` read MN-major from
    the same smem tile), scattered into a float32 ``dk`` workspace with 16-byte
    ``red.global.add.v4.f32`` (rearranged so that 8 lanes cover one 128-byte line), or
+   (``red_bf16``, an opt-in) into a bf16 ``dk`` workspace with 8-byte
+   ``red.global.add.noftz.v2.bf16x2`` (half the bytes; every addition rounds the running sum to
+   bf16, so dk carries the error of a bf16 accumulation over every query that selected the key), or
    (``dk_bulk``) staged in shared memory and added one 256-byte row per
    ``cp.reduce.async.bulk .add.f32`` (the reduction done by the TMA unit and L2).  Deterministic
    modes: ``fixed_*`` add ``round(dK * 2^e)`` as 64-bit integers into an int64 ``[s_kv, d]``
@@ -56,7 +59,7 @@ BAR_DK = 3  # fixed_bulk*: a staging buffer's previous bulk read is done
 BAR_DK2 = 4  # fixed_bulk*: the staged piece is written
 DK_PITCH = 68  # floats per staged dK row (bulk mode): 16-byte aligned, rows 4 banks apart
 #: dk modes: how the per-slot dK rows are added (see the module docstring)
-DK_MODES = ("red", "bulk", "none", "slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2",
+DK_MODES = ("red", "red_bf16", "bulk", "none", "slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2",
             "fixed_red")
 DETERMINISTIC_MODES = ("slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red")
 #: fixed-point staging: (columns per piece, buffers); staging over 18 KB leaves 3 key stages
@@ -214,7 +217,7 @@ class IndexerLossBwdSm90:
         odd = (lane_quad & 1) != 0
         r8 = lane // 4
         srow0 = (tidx // 32) * 16 + 4 * (r8 >> 2) + 8 * (lane_quad & 1)
-        elem_bytes = 8 if const_expr(self.fixed) else 4
+        elem_bytes = 8 if const_expr(self.fixed) else (2 if const_expr(self.dk_mode == "red_bf16") else 4)
         ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (r8 & 3) + 4 * (lane_quad >> 1)) * elem_bytes)
         row_bytes = self.d * elem_bytes
 
@@ -432,6 +435,10 @@ class IndexerLossBwdSm90:
                         addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 8)
                         for e in cutlass.range_constexpr(4):
                             idev.red_add_u64(addr + Int64(8 * e), idev.f32_to_fixed(vec[4 * j + e], dk_scale))
+                    elif const_expr(self.dk_mode == "red_bf16"):  # 8 bytes: four bf16 sums
+                        addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 2)
+                        idev.red_add_v2_bf16x2(addr, dev.pack_bf16x2(vec[4 * j], vec[4 * j + 1]),
+                                               dev.pack_bf16x2(vec[4 * j + 2], vec[4 * j + 3]))
                     elif const_expr(self.deterministic):
                         addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 4)
                         dev.st_global_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
@@ -459,7 +466,8 @@ def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: s
     extra += [
         host.fake(BFloat16, (cute.sym_int(), H, d)),  # dq
         host.fake(Float32, (cute.sym_int(), H), align=4),  # dw
-        host.fake(Int64 if mode.startswith("fixed") else Float32, (cute.sym_int(), d)),  # dk workspace
+        host.fake(Int64 if mode.startswith("fixed") else (BFloat16 if mode == "red_bf16" else Float32),
+                  (cute.sym_int(), d)),  # dk workspace
         host.fake(Float32, (1,), align=4),  # fixed-point scale
         Float32(1.0),
         host.fake_stream(),

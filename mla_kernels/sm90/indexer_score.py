@@ -52,6 +52,22 @@ off by default: on an H200 at S 32k the counting costs the score kernel more (bf
 fp8 +0.2 ms) than it saves the top-k kernel (-0.65 ms), see docs/PERF.md.  (A third mode that
 merged a warp's equal (row, bin) counts by ``match.any.sync`` first cost +4 ms: removed.)
 
+``pingpong`` (opt-in): the two consumer warpgroups take turns issuing their MMAs (each syncs its
+own named barrier ``BAR_PP0 + wg`` before issuing and arrives on the other's after committing;
+WG1 arrives once before its loop so that WG0 starts, and skips its last arrive so that none is
+left pending), FlashAttention-3's schedule, so that one warpgroup's epilogue runs under the
+other's MMA.  Measured no faster on an H200 at S 32k (score kernel fp8 8.58 vs 8.65 ms, bf16
+13.19 vs 12.58; MMAs alone 5.49 / 10.80): the epilogue does not overlap the MMAs in either
+schedule, so the default issues without turns (docs/PERF.md).
+
+``head_sum="bf16x2"`` (opt-in): the head sum in packed bf16 -- per pair of adjacent heads one
+``cvt.rn.relu.bf16x2.f32`` and one ``fma.rn.bf16x2`` against bf16-packed weights, a row's pairs
+accumulated in one bf16x2 word whose halves are summed in float32
+(:func:`~mla_kernels.common.indexer_device.weighted_relu_rows_bf16x2`): ~9 instructions per 16
+scores instead of 32.  H200, S 32k: score kernel bf16 12.58 -> 11.45 ms, fp8 8.65 -> 7.88; the
+logits are within ~1e-2 of the row's largest |logit| (median 5e-4) and 0.26% of the selected keys
+differ from the float32 head sum's.
+
 ``profile`` (timing copies only, wrong outputs): ``"mma"`` drops the epilogue (the key tiles'
 MMAs and the pipeline alone), ``"nostore"`` computes the epilogue but does not store it.
 """
@@ -77,6 +93,10 @@ THREADS = 384
 SMEM_LIMIT = 232448
 BAR_W = 1  # the consumers' weights are in smem (and, with ``hist``, the histograms zeroed / complete)
 BAR_HIST = 2  # with ``hist``: every consumer's counts are in (the histograms are written out)
+#: The head sum's arithmetic: ``f32`` (default: FMNMX + FFMA per score) or ``bf16x2`` (opt-in:
+#: packed ReLU + bf16x2 FMA per two scores, see :func:`~mla_kernels.common.indexer_device.weighted_relu_rows_bf16x2`)
+HEAD_SUMS = ("f32", "bf16x2")
+BAR_PP0 = 3  # ``pingpong``: WG0 may issue its MMA (WG1 syncs BAR_PP0 + 1; 256 threads: sync + arrive)
 BINS = 2048  # the top-k's first digit: the top 11 bits of the ordered key
 HIST_SHIFT = 21
 HIST_MODES = ("plain", "pad")
@@ -97,7 +117,8 @@ class IndexerScoreSm90:
     """Static configuration (input dtype, h, d) + host launcher + device kernel."""
 
     def __init__(self, fp8: bool, h: int, d: int, profile: str = "", w_regs: bool = True, ks_early: bool = True,
-                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0):
+                 sum_parts: int = idev.SUM_PARTS, hist=False, stages: int = 0, pingpong: bool = False,
+                 head_sum: str = "f32"):
         if h not in (16, 32, 64):
             raise ValueError(f"sm90 indexer scores take h_idx 16, 32 or 64, got {h}")
         if d not in (64, 128):
@@ -105,6 +126,12 @@ class IndexerScoreSm90:
         if profile not in ("", "mma", "nostore"):
             raise ValueError(f"profile {profile!r}: expected '', 'mma' or 'nostore'")
         self.profile = profile
+        self.pingpong = pingpong
+        if head_sum not in HEAD_SUMS:
+            raise ValueError(f"head_sum {head_sum!r}: expected one of {HEAD_SUMS}")
+        self.packed = head_sum == "bf16x2"
+        if self.packed and not w_regs:
+            raise ValueError("head_sum 'bf16x2' takes the weights in registers (w_regs=True)")
         self.w_regs = w_regs
         self.ks_early = ks_early
         self.sum_parts = sum_parts
@@ -340,7 +367,13 @@ class IndexerScoreSm90:
         rW = cute.make_rmem_tensor((2 * BN // 8 if self.w_regs else 2,), Float32)
         if const_expr(self.w_regs):
             idev.load_weight_cols(rW, sW, w_off, BN, lane_quad)
+        rWp = cute.make_rmem_tensor((BN // 8 if self.packed else 1,), Uint32)
+        if const_expr(self.packed):
+            idev.load_weight_pairs(rWp, rW, BN // 8)
         rKs = cute.make_rmem_tensor((2,), Float32)
+        if const_expr(self.pingpong):
+            if wg == 1:  # WG0 issues the first MMA
+                cute.arch.barrier_arrive(barrier_id=BAR_PP0, number_of_threads=256)
         hist_row0 = (wg * self.bq + lane_quad * qpl) * self.pitch  # this lane's first row's counters
         for i in cutlass.range(n_k, unroll=1):
             key0 = (tile_lo + i) * BM
@@ -352,12 +385,19 @@ class IndexerScoreSm90:
                         ks_e = mKScale[key_e]
                     rKs[r] = ks_e
             pipe.consumer_wait(state)
+            if const_expr(self.pingpong):  # this warpgroup's turn to issue (the other one issued its MMA)
+                cute.arch.barrier(barrier_id=BAR_PP0 + wg, number_of_threads=256)
             mma_i = self._mma()
             cute.nvgpu.warpgroup.fence()
             for k in cutlass.range_constexpr(n_k_tiles):
                 mma_i.set(warpgroup.Field.ACCUMULATE, k != 0)
                 cute.gemm(mma_i, acc, tSrK[None, None, k, state.index], tSrQ[None, None, k, wg], acc)
             cute.nvgpu.warpgroup.commit_group()
+            if const_expr(self.pingpong):
+                # the other warpgroup's turn; WG1's last arrive is skipped (WG0 has no tile left to
+                # sync for: every arrive meets one sync, none is left pending at exit)
+                if wg == 0 or i + 1 < n_k:
+                    cute.arch.barrier_arrive(barrier_id=BAR_PP0 + 1 - wg, number_of_threads=256)
             cute.nvgpu.warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()
@@ -367,7 +407,9 @@ class IndexerScoreSm90:
             else:
                 # head sum per (key row, query), then the quad reduce-scatter
                 for qi in cutlass.range_constexpr(self.bq):
-                    if const_expr(self.w_regs):
+                    if const_expr(self.packed):
+                        s0, s1 = idev.weighted_relu_rows_bf16x2(acc, rWp, qi * self.h, self.h)
+                    elif const_expr(self.w_regs):
                         s0, s1 = idev.weighted_relu_rows_reg(acc, rW, qi * self.h, self.h, self.sum_parts)
                     else:
                         s0, s1 = idev.weighted_relu_rows(acc, sW, w_off, qi * self.h, self.h, lane_quad,
@@ -405,14 +447,15 @@ class IndexerScoreSm90:
 
 
 def compile_score(fp8: bool, h: int, d: int, arch: str = "sm_90a", profile: str = "", w_regs: bool = True,
-                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, **kw):
+                  ks_early: bool = True, sum_parts: int = 1, hist=False, stages: int = 0, pingpong: bool = False,
+                  head_sum: str = "f32", **kw):
     """Compile the score kernel for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     dt = Float8E4M3FN if fp8 else BFloat16
     n_qh, s_kv, n_w, n_ks, s_q, s_q2, rows, ld, h_rows, h_cols = (cute.sym_int() for _ in range(10))
-    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages)
+    kernel = IndexerScoreSm90(fp8, h, d, profile, w_regs, ks_early, sum_parts, hist, stages, pingpong, head_sum)
     args = (
         host.fake(dt, (n_qh, d)),
         host.fake(dt, (s_kv, d)),
