@@ -198,6 +198,88 @@ def cluster_size_for(plan, mode: str, max_cluster: int) -> int:
     return n if n in CLUSTER_SIZES and n <= max_cluster else 0
 
 
+#: a PTX kernel that does nothing: the occupancy probe's stand-in for a decode kernel (the driver
+#: JIT-compiles it; its resources that matter -- block size, shared memory -- are set per query)
+_PROBE_PTX = b""".version 7.8
+.target sm_90
+.address_size 64
+.visible .entry mla_kernels_cluster_probe()
+{
+    ret;
+}
+"""
+#: shared memory the probe asks for: more than half an SM's (227 KB on sm90), so one CTA per SM,
+#: as every 64-head decode kernel (smem ~225-230 KB) runs
+PROBE_SMEM = 232448
+PROBE_THREADS = 384
+_fit_cache = {}
+_fit_errors = {}  # why a probe gave None (tools/cluster_occupancy.py prints it)
+
+
+def max_active_clusters(device: torch.device, cluster: int, smem: int = PROBE_SMEM, threads: int = PROBE_THREADS):
+    """How many clusters of ``cluster`` CTAs (``threads`` threads, ``smem`` bytes of dynamic shared
+    memory each) can be resident on ``device`` at once: the driver's
+    ``cuOccupancyMaxActiveClusters`` for a do-nothing probe kernel with those resources (a cluster
+    needs its CTAs' SMs in one GPC, so on an H100 / H200 fewer clusters of 16 fit than 132 / 16).
+    Cached per (device, cluster, smem, threads); ``None`` when the driver cannot be asked (no
+    CUDA device, no ``cuda.bindings``, no current context, an error) -- the caller then falls back
+    to its documented rule."""
+    if device.type != "cuda":
+        return None
+    key = (device.index or 0, cluster, smem, threads)
+    if key in _fit_cache:
+        return _fit_cache[key]
+    n = None
+    try:
+        from cuda.bindings import driver as cu
+
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            torch.empty(1, device=device)  # the primary context is current on this thread
+            err, ctx = cu.cuCtxGetCurrent()
+            if err != cu.CUresult.CUDA_SUCCESS or int(ctx) == 0:
+                raise RuntimeError(f"no current CUDA context ({err})")
+            else:
+                err, mod = cu.cuModuleLoadData(_PROBE_PTX + b"\0")
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuModuleLoadData: {err}")
+                else:
+                    try:
+                        n = _probe(cu, mod, cluster, smem, threads)
+                    finally:
+                        cu.cuModuleUnload(mod)
+    except Exception as e:  # pragma: no cover - depends on the machine
+        _fit_errors[key] = f"{type(e).__name__}: {e}"
+        n = None
+    _fit_cache[key] = n
+    return n
+
+
+def _probe(cu, mod, cluster, smem, threads):
+    err, fn = cu.cuModuleGetFunction(mod, b"mla_kernels_cluster_probe")
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuModuleGetFunction: {err}")
+    A = cu.CUfunction_attribute
+    for a, v in ((A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                 (A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1 if cluster > 8 else 0)):
+        err = cu.cuFuncSetAttribute(fn, a, v)[0]
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuFuncSetAttribute({a}): {err}")
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+    cfg.sharedMemBytes = smem
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    err, n = cu.cuOccupancyMaxActiveClusters(fn, cfg)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters: {err}")
+    return int(n)
+
+
 def parts_dtype_name() -> str:
     """The dtype of a split plan's partial outputs, read when a plan is made:
     ``MLA_KERNELS_DECODE_PARTS`` = ``f32`` (default) or ``bf16`` (half the bytes the split kernel
