@@ -56,10 +56,13 @@ CASES = [
     ("b128-sq1-h16", 128, 1, 16, 2048, 32768, 64),
 ]
 # more shapes for ``--cases`` and tools/ab_decode.py (not in the default rows): one request with an MTP
-# draft token (4 rows of 64 heads), and b 4 at h_q 128
+# draft token (4 rows of 64 heads), b 4 at h_q 128, and row counts where the auto combine rule
+# changes its choice
 EXTRA = [
     ("v32-b1-sq2-h128", 1, 2, 128, 2048, 32768, 64),
     ("v32-b4-sq1-h128", 4, 1, 128, 2048, 32768, 64),
+    ("v32-b3-sq2-h128", 3, 2, 128, 2048, 32768, 64),  # 12 rows: 11 splits, or 8 in clusters of 8
+    ("b28-sq1-h64", 28, 1, 64, 2048, 32768, 64),  # 28 rows: 4 splits, in clusters of 4 if they fit
 ]
 QUICK = [
     ("quick-b2-h16", 2, 1, 16, 128, 1024, 16),
