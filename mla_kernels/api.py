@@ -650,6 +650,7 @@ def decode_plan(
     n_blocks = max(1, -(-topk // 64))
     if num_splits is not None:
         num_splits = _check_pos_int("num_splits", num_splits)
+    num_splits_forced = num_splits is not None
     plan = DecodePlan(b, s_q, h_q, topk, d_qk, d_v, device, dtype, 1, n_blocks, with_max_logits=with_max_logits)
     backend = dispatch.select("decode", plan)
     if num_splits is None:
@@ -659,6 +660,7 @@ def decode_plan(
             num_splits = choose_splits(b, s_q, h_q, topk, device_sm_count(device))[0]
     bps = -(-n_blocks // min(num_splits, n_blocks))
     plan.num_splits, plan.blocks_per_split = -(-n_blocks // bps), bps
+    plan.forced_splits = num_splits_forced
     plan.backend = backend
     plan.allocate()
     backend.prepare_decode(plan)

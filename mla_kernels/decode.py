@@ -25,11 +25,16 @@ sum) and its lse; the lse combine (:mod:`mla_kernels.common.combine`) merges the
 the sink -- as a second kernel, or folded into the split kernel
 (``MLA_KERNELS_DECODE_COMBINE=fused``: the last CTA of a row to finish merges that row, counted
 in the plan's ``counters``; :mod:`mla_kernels.common.decode_device`), or -- the default for
-plans of at most two 64-head rows (b 1 at h_q 128), ``cluster`` on request for any 64-head
+64-head plans whose clusters all fit on the GPU at once, ``cluster`` on request for any 64-head
 plan with 2/4/8/16 splits -- inside the split kernel by a thread-block cluster per row whose CTAs
 stage their partials in shared memory and each merge a slice of the heads over DSMEM
 (:mod:`mla_kernels.common.cluster_merge`; no float32 workspace then, ``out_parts`` is None).
-``num_splits`` can be forced per plan.
+The default (``auto``) rule, :func:`mla_kernels.common.decode_host.cluster_size_for`: clusters of
+the plan's split count if ``rows`` of them fit (the driver's occupancy query; on an H200 7
+clusters of 16, 15 of 8), else -- when the rule above gave more than 8 splits and 8 splits deal
+the blocks evenly -- 8 splits merged in clusters of 8 if ``rows`` of those fit (b 2, s_q 2,
+h_q 128: 8 rows), else the combine kernel.  ``num_splits`` can be forced per plan (``auto``
+then never changes it).
 
 Outputs live in the plan: a call returns views of the plan's ``out`` and ``lse`` buffers, which
 the next call with the same plan overwrites (clone them to keep a step's result).
@@ -106,6 +111,9 @@ class DecodePlan:
     #: the fused combine's per-row arrival counters (int32, zero between launches; split plans made
     #: with ``MLA_KERNELS_DECODE_COMBINE=fused`` only)
     counters: Optional[torch.Tensor] = None
+    #: the split count was forced (``decode_plan(num_splits=...)``): the ``auto`` combine rule then
+    #: keeps it (it may otherwise lower it to merge the rows in 8-CTA clusters, ``common/decode_host``)
+    forced_splits: bool = False
     #: backend-owned state (compiled kernels, placeholders, cached views)
     state: Dict[str, Any] = field(default_factory=dict)
     #: what the per-call check compares against (set by ``allocate``)

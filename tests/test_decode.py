@@ -329,7 +329,8 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     fused = plan.split and combine == "fused"
     # the cluster merge serves the 64-head kernel's split counts 2/4/8/16 (else: the combine kernel)
     cluster = plan.split and combine in ("cluster", "auto") and h % 64 == 0 and plan.num_splits in (2, 4, 8, 16)
-    cluster = cluster and (combine == "cluster" or b * s_q * h // 64 <= decode_host.AUTO_CLUSTER_ROWS)
+    # auto: only if the rows' clusters fit at once (on the CPU: the documented fallback capacity)
+    cluster = cluster and (combine == "cluster" or b * s_q * h // 64 <= 132 // plan.num_splits // 2)
     assert plan.state["cluster"] == (plan.num_splits if cluster else 0)
     assert (plan.out_parts is None) == ((cluster and not l2) or not plan.split)
     assert plan.state["cluster_l2"] == (cluster and l2)
@@ -404,19 +405,67 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_PARTS='fp8'"):
         decode_host.cluster_knobs()
 
-    def plan(h, n, b=1, s_q=1):
-        return DecodePlan(b, s_q, h, 2048, 576, 512, torch.device("cpu"), torch.bfloat16, n, 32 // n)
+    def plan(h, n, b=1, s_q=1, topk=2048, forced=False):
+        nb = -(-topk // 64)
+        return DecodePlan(b, s_q, h, topk, 576, 512, torch.device("cpu"), torch.bfloat16, n, -(-nb // n),
+                          forced_splits=forced)
 
     size = decode_host.cluster_size_for
-    assert [size(plan(128, n), "auto", 16) for n in (1, 2, 4, 8, 16, 32)] == [0, 2, 4, 8, 16, 0]
-    # auto: at most AUTO_CLUSTER_ROWS (2) rows -- b 1 at h_q 128, b 2 at h_q 64; "cluster" has no limit
-    assert decode_host.AUTO_CLUSTER_ROWS == 2
-    assert [size(plan(64, 16, b), "auto", 16) for b in (1, 2, 3)] == [16, 16, 0]
-    assert size(plan(128, 16, 2, 2), "auto", 16) == 0 and size(plan(128, 16, 2, 2), "cluster", 16) == 16
+    # on the CPU the driver cannot be asked: the documented fallback, half of num_sms // cluster
+    assert decode_host.max_active_clusters(torch.device("cpu"), 16) is None
+    assert [decode_host.cluster_capacity(torch.device("cpu"), c, 132) for c in (2, 4, 8, 16)] == [33, 16, 8, 4]
+    # b 1 at h_q 128 (2 rows): the split count itself; 32 splits is no cluster size: 8 splits
+    assert [size(plan(128, n), "auto", 16) for n in (1, 2, 4, 8, 16, 32)] == [0, 2, 4, 8, 16, 8]
+    assert size(plan(128, 32, forced=True), "auto", 16) == 0  # a forced split count is kept
+    # 4 rows fit as clusters of 16 (b 1 s_q 2 at h_q 128); 8 rows (b 2 s_q 2) only as clusters of 8
+    assert size(plan(128, 16, 1, 2), "auto", 16) == 16
+    assert size(plan(128, 16, 2, 2), "auto", 16) == 8 and size(plan(128, 16, 2, 2, forced=True), "auto", 16) == 0
+    assert size(plan(64, 16, 9), "auto", 16) == 0  # 9 clusters of 8 do not fit (fallback: 8)
+    assert size(plan(128, 16, 2, 2, topk=1152), "auto", 16) == 0  # 18 blocks: 8 splits would leave one empty
+    assert size(plan(128, 16, 2, 2), "auto", 8) == 8  # MLA_KERNELS_DECODE_CLUSTER_MAX=8
+    assert size(plan(128, 16, 2, 2), "auto", 4) == 0
+    # the driver's answer when there is one (an H200's: tools/cluster_occupancy.py)
+    h200 = {2: 66, 4: 30, 8: 15, 16: 7}
+    monkeypatch.setattr(decode_host, "max_active_clusters", lambda dev, c, *a, **k: h200[c])
+    assert [size(plan(64, 16, b), "auto", 16) for b in (7, 8, 15, 16)] == [16, 8, 8, 0]
+    # "cluster" forces it whether or not the clusters fit; never for other sizes or the narrow kernel
+    assert size(plan(128, 16, 2, 2), "cluster", 16) == 16 and size(plan(64, 16, 16), "cluster", 16) == 16
     assert [size(plan(64, n), "cluster", 8) for n in (8, 16)] == [8, 0]
     assert size(plan(128, 6), "cluster", 16) == 0  # not a cluster size: the combine kernel
     assert size(plan(16, 16), "cluster", 16) == 0  # the narrow kernel has no cluster merge
     assert size(plan(128, 16), "separate", 16) == 0 and size(plan(128, 16), "fused", 16) == 0
+
+
+def test_auto_resplits_to_clusters_of_8(emulated_sm90, monkeypatch):
+    """b 2, s_q 2, h_q 128 (8 rows): 16 splits' clusters do not all fit, so the auto rule makes
+    the plan 8 splits merged in 8-CTA clusters (one launch, no workspace); the result is the
+    reference's; a forced split count is kept."""
+    monkeypatch.delenv(decode_host.ENV_COMBINE, raising=False)
+    monkeypatch.delenv(decode_host.ENV_CLUSTER_MAX, raising=False)
+    monkeypatch.delenv(decode_host.ENV_CLUSTER_PARTS, raising=False)
+    b, s_q, h, d, topk = 2, 2, 128, 576, 2048
+    plan = emulated_sm90(b, s_q, h, topk, d, 16, with_max_logits=True)
+    assert (plan.num_splits, plan.blocks_per_split, plan.state["cluster"]) == (8, 4, 8)
+    assert plan.out_parts is None and plan.lse_parts is None
+    q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=5, dtype=torch.bfloat16, num_pages=300, max_pages=140)
+    sink = torch.randn(h, generator=torch.Generator().manual_seed(3))
+    out, lse, ml = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, None, sink, block_table=bt, plan=plan)
+    assert [c[0] for c in emulated_sm90.calls.log] == ["decode"] and emulated_sm90.calls.log[0][-1] == "cluster8"
+    w_o, w_l, w_m = ref.sparse_mla_decode_ref(q.float(), kv.float(), idx, 0.05, 512, None, sink, bt,
+                                              with_max_logits=True)
+    torch.testing.assert_close(out.float(), w_o, rtol=1e-2, atol=2e-3)
+    torch.testing.assert_close(lse, w_l, rtol=1e-5, atol=1e-5)
+    # forced: 16 splits stay, through the combine kernel (16-CTA clusters would not all fit)
+    forced = DecodePlan(b, s_q, h, topk, d, 512, torch.device("cpu"), torch.bfloat16, 16, 2, forced_splits=True,
+                        backend=plan.backend)
+    forced.allocate()
+    forced.backend.prepare_decode(forced)
+    assert (forced.num_splits, forced.state["cluster"]) == (16, 0) and forced.out_parts.shape[0] == 16
+    # the L2 staging keeps the workspace's first 8 splits
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_PARTS, "l2")
+    l2 = emulated_sm90(b, s_q, h, topk, d, 16)
+    assert (l2.num_splits, l2.state["cluster"], l2.state["cluster_l2"]) == (8, 8, True)
+    assert l2.out_parts.shape[0] == 8 and l2.out_parts.is_contiguous() and l2.lse_parts.shape[0] == 8
 
 
 def test_sm90_supports_decode_configs():

@@ -278,7 +278,8 @@ def test_decode_unit_scale_values(monkeypatch):
     check(out, lse, want_of(c, sc), c, abs_tol=8e-3)
 
 
-@pytest.mark.parametrize("combine,h", [("separate", 128), ("fused", 128), ("fused", 16), ("cluster", 128)])
+@pytest.mark.parametrize("combine,h", [("separate", 128), ("fused", 128), ("fused", 16), ("cluster", 128),
+                                       ("auto", 128), ("auto", 64)])
 def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
     """A planned step captured in a CUDA graph, replayed with new q / indices / topk_length /
     block_table contents; split and unsplit plans agree to bf16 rounding."""
@@ -306,7 +307,19 @@ def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
         g_out, g_lse = call()
     graph.replay()
     torch.cuda.synchronize()
-    assert plan.state["cluster"] == (16 if combine == "cluster" else 0)
+    if combine == "auto":
+        # the default rule: clusters of 16 if the rows' clusters fit at once (the driver's answer),
+        # else 8 splits in clusters of 8 (b 2, s_q 2, h_q 128 on an H100 / H200: 8 rows, 7 fit)
+        from mla_kernels.common import decode_host
+
+        rows = b * s_q * h // 64
+        cap = {n: decode_host.max_active_clusters(torch.device("cuda"), n) for n in (8, 16)}
+        assert all(v is not None and v >= 1 for v in cap.values()), cap  # the driver answers on a GPU
+        want_n = 16 if rows <= cap[16] else 8 if rows <= cap[8] else 0
+        assert plan.state["cluster"] == want_n and plan.num_splits == (want_n or 16)
+        assert plan.out_parts is None
+    else:
+        assert plan.state["cluster"] == (16 if combine == "cluster" else 0)
     assert rel_l2(g_out.float(), o1.float()) < 1e-2  # split vs unsplit
     fin = torch.isfinite(l1)
     assert torch.equal(fin, torch.isfinite(g_lse))

@@ -52,7 +52,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of graph replays")
+    ap.add_argument("--b2b", type=int, default=1, metavar="K",
+                    help="per sample, K steps back to back between one event pair (input sets rotating), "
+                         "reported per step: the GPU is fed ahead of itself, so the host's launch of the "
+                         "graph is not timed (FlashMLA's binary launches back to back too); 1 = one step "
+                         "per event pair after a sync (the host's graph launch inside the time)")
     args = ap.parse_args(argv)
+    if args.b2b < 1:
+        ap.error("--b2b wants K >= 1")
 
     import torch
 
@@ -62,18 +69,23 @@ def main(argv=None) -> int:
     import ab_bench
 
     specs = [parse_spec(s) for s in args.variant]
-    mods = {}
+    mods, by_root = {}, {}
     for name, root, _, _ in specs:
-        mods[name] = ab_bench.load_variant(name, root)
+        # variants of one directory differ only in knobs read when a plan is made: one import
+        # (and one compile per kernel configuration) serves them all
+        if root not in by_root:
+            by_root[root] = ab_bench.load_variant(name, root)
+        mods[name] = by_root[root]
     import bench_decode as bd  # after the variants: its own `import mla_kernels` is unused here
 
-    cases = {c[0]: c for c in bd.CASES + bd.QUICK}
+    cases = {c[0]: c for c in bd.CASES + bd.EXTRA + bd.QUICK}
     want = [c for c in args.cases.split(",") if c]
     for c in want:
         if c not in cases:
             ap.error(f"unknown case {c!r}; choose from {', '.join(cases)}")
     dev = torch.device("cuda")
-    print(f"GPU: {torch.cuda.get_device_name(dev)}; variants: {', '.join(s[0] for s in specs)}", flush=True)
+    print(f"GPU: {torch.cuda.get_device_name(dev)}; variants: {', '.join(s[0] for s in specs)}; "
+          f"{'eager' if args.eager else 'graph'} steps, {args.b2b} back to back per sample", flush=True)
     max_b = max(cases[c][1] for c in want)
     seq_len, page_size = cases[want[0]][5], cases[want[0]][6]
     kv, bt_all = bd.make_cache(max_b, seq_len, page_size, dev, torch.bfloat16)
@@ -119,10 +131,11 @@ def main(argv=None) -> int:
             for n in order:
                 a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                steps[n](r % args.sets)
+                for k in range(args.b2b):
+                    steps[n]((r + k) % args.sets)
                 e.record()
                 e.synchronize()
-                this[n] = a.elapsed_time(e) * 1e3
+                this[n] = a.elapsed_time(e) * 1e3 / args.b2b
             if r >= args.warmup:
                 for n in names:
                     times[n].append(this[n])

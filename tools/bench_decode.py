@@ -13,7 +13,10 @@ planned call without a graph (median wall time of the Python call); beside them:
   before the split path; h_q % 64 == 0 only);
 * ``padded_us`` -- h_q < 64 run as h_q 64 (what FlashMLA / vLLM do today: pad the heads);
 * ``graph_us`` -- the same step replayed from a CUDA graph: GPU time without host launch gaps
-  (at small batches the eager timing waits for the host to launch the combine);
+  (at small batches the eager timing waits for the host to launch the combine), one replay per
+  event pair after a sync (the host's graph launch is inside it);
+* ``graph_b2b_us`` -- per step, ``B2B`` graph replays back to back per event pair: the host runs
+  ahead of the GPU (FlashMLA's binary's method: back-to-back launches), so only GPU time counts;
 * ``flashmla_us`` -- FlashMLA's sm90 FP8 sparse decode (kernel + combine, its own timing: mean
   of 50 launches after 10 warm-ups) from ``.peers/anchors/flashmla/bench_sm90_decode`` when the
   binary is found (h_q 64 / 128 only).
@@ -51,6 +54,15 @@ CASES = [
     ("b128-sq1-h32", 128, 1, 32, 2048, 32768, 64),
     ("b1-sq1-h16", 1, 1, 16, 2048, 32768, 64),
     ("b128-sq1-h16", 128, 1, 16, 2048, 32768, 64),
+]
+# more shapes for ``--cases`` and tools/ab_decode.py (not in the default rows): one request with an MTP
+# draft token (4 rows of 64 heads), b 4 at h_q 128, and row counts where the auto combine rule
+# changes its choice
+EXTRA = [
+    ("v32-b1-sq2-h128", 1, 2, 128, 2048, 32768, 64),
+    ("v32-b4-sq1-h128", 4, 1, 128, 2048, 32768, 64),
+    ("v32-b3-sq2-h128", 3, 2, 128, 2048, 32768, 64),  # 12 rows: 11 splits, or 8 in clusters of 8
+    ("b28-sq1-h64", 28, 1, 64, 2048, 32768, 64),  # 28 rows: 4 splits, in clusters of 4 if they fit
 ]
 QUICK = [
     ("quick-b2-h16", 2, 1, 16, 128, 1024, 16),
@@ -187,13 +199,28 @@ def capture_graphs(call, n_sets):
     return graphs
 
 
-def time_graph(call, n_sets, warmup, reps):
+B2B = 10  # graph steps back to back per sample in ``time_graph``'s second number
+
+
+def time_graph(call, n_sets, warmup, reps, b2b=B2B):
     """GPU time of one decode step replayed from a CUDA graph (one graph per input set): the
     kernels are submitted at once, so no host launch latency sits between them -- unlike the
-    eager timing, where at small batches the GPU waits for the host to launch the combine."""
+    eager timing, where at small batches the GPU waits for the host to launch the combine.
+
+    Returns ``(synced, b2b)``: the median of one replay per event pair after a sync (the host's
+    ``cudaGraphLaunch`` -- a few us -- then sits inside the time: the GPU records the start event
+    and waits for the graph), and the median per-step time of ``b2b`` replays back to back per event
+    pair (input sets rotating; the host runs ahead of the GPU, as FlashMLA's binary's back-to-back
+    launches do, and as the layers of a graph-captured model step follow each other)."""
     graphs = capture_graphs(call, n_sets)
     med, _ = time_gpu(lambda i: graphs[i].replay(), n_sets, warmup, reps)
-    return med
+
+    def burst(i):
+        for k in range(b2b):
+            graphs[(i + k) % n_sets].replay()
+
+    med_b2b, _ = time_gpu(burst, n_sets, warmup, reps)
+    return med, med_b2b / b2b
 
 
 def host_time_us(fn, n=200):
@@ -251,7 +278,7 @@ def rows(args):
     cases = QUICK if quick else CASES
     if only:
         keep = set(only.split(","))
-        cases = [c for c in cases if c[0] in keep]
+        cases = [c for c in (QUICK if quick else CASES + EXTRA) if c[0] in keep]
     if not cases:
         return []
     timer = time_cpu if cpu else time_gpu
@@ -281,10 +308,10 @@ def rows(args):
         med, times = timer(call, n_sets, warmup, reps)
         host = host_time_us(call) if not cpu else None
         host_be = host_time_us(call_backend) if not cpu else None
-        graph_us = None
+        graph_us = graph_b2b_us = None
         if not cpu and not getattr(args, "no_graph", False):
             try:
-                graph_us = time_graph(call, n_sets, warmup, reps)
+                graph_us, graph_b2b_us = time_graph(call, n_sets, warmup, reps)
             except Exception as e:  # report, keep going
                 print(f"  {name}: graph capture failed: {type(e).__name__}: {e}")
         row = dict(shape=name, op="decode", backend=plan.backend_name, gpu=gpu, b=b, s_q=s_q, h_q=h_q, topk=topk,
@@ -292,7 +319,7 @@ def rows(args):
                    us=med, ms=med / 1e3, min_us=min(times), max_us=max(times), reps=reps,
                    tflops=flops(b, s_q, h_q, topk) / (med * 1e-6) / 1e12,
                    gbps=gathered_bytes(b, s_q, topk) / (med * 1e-6) / 1e9, host_us=host, host_launch_us=host_be,
-                   block_table=not physical, knobs=knobs, graph_us=graph_us,
+                   block_table=not physical, knobs=knobs, graph_us=graph_us, graph_b2b_us=graph_b2b_us,
                    cluster=plan.state.get("cluster", 0))
         if hbm:
             row["hbm_pct"] = 100.0 * gathered_bytes(b, s_q, topk) / (med * 1e-6) / hbm
@@ -310,7 +337,7 @@ def rows(args):
         hbm_txt = f"  {row['hbm_pct']:5.1f}% HBM" if hbm else ""
         host_txt = f"  host {host:5.1f} us" if host is not None else ""
         if graph_us is not None:
-            host_txt += f"  graph {graph_us:7.1f} us"
+            host_txt += f"  graph {graph_us:7.1f} us  graph b2b {graph_b2b_us:7.1f} us"
         fwd_txt = f"  prefill fwd {row['fwd_us']:8.1f} us" if "fwd_us" in row else ""
         print(f"  {row['shape']:<20} {med:9.1f} us  {row['tflops']:7.1f} TFLOPS  {row['gbps']:7.0f} GB/s{hbm_txt}"
               f"  splits {plan.num_splits:3d}{' (cluster)' if row['cluster'] else ''}{host_txt}{fwd_txt}", flush=True)
@@ -335,13 +362,13 @@ def rows(args):
 
 
 def print_table(rs):
-    hdr = (f"{'shape':<24} {'us':>8} {'graph':>7} {'TFLOPS':>7} {'GB/s':>6} {'%HBM':>5} {'splits':>6} "
+    hdr = (f"{'shape':<24} {'us':>8} {'graph':>7} {'b2b':>7} {'TFLOPS':>7} {'GB/s':>6} {'%HBM':>5} {'splits':>6} "
            f"{'host us':>7} {'launch':>6} {'fwd us':>8} {'padded':>7} {'FlashMLA us':>11}")
     print(hdr + "   (splits: 'c' = merged in a cluster over DSMEM)")
     print("-" * len(hdr))
     f = lambda v, w, p=1: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'--':>{w}}"
     for r in rs:
-        print(f"{r['shape']:<24} {f(r['us'], 8)} {f(r.get('graph_us'), 7)} {f(r['tflops'], 7)} {f(r['gbps'], 6, 0)} {f(r.get('hbm_pct'), 5)} "
+        print(f"{r['shape']:<24} {f(r['us'], 8)} {f(r.get('graph_us'), 7)} {f(r.get('graph_b2b_us'), 7)} {f(r['tflops'], 7)} {f(r['gbps'], 6, 0)} {f(r.get('hbm_pct'), 5)} "
               f"{str(r['num_splits']) + ('c' if r.get('cluster') else ''):>6} {f(r.get('host_us'), 7)} {f(r.get('host_launch_us'), 6)} {f(r.get('fwd_us'), 8)} "
               f"{f(r.get('x_vs_padded'), 7, 2)} {f(r.get('flashmla_us'), 11)}")
 

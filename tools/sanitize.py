@@ -77,7 +77,8 @@ GROUPS = (
     Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_narrow_split_h16",
                                              "decode_narrow_direct_h32_d512", "decode_fused_h128",
                                              "decode_narrow_fused_h16", "decode_cluster4_h128",
-                                             "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2", "merge")),
+                                             "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2",
+                                             "decode_auto_cluster8_h128", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 
@@ -266,7 +267,7 @@ def _decode_steps(g: Group, step, dev) -> None:
     gen = torch.Generator().manual_seed(4321)
     page, n_pages, b, s_q, topk = 16, 40, 3, 2, 256
 
-    def case(h, d_qk):
+    def case(h, d_qk, topk=topk, b=b):
         cache = (torch.randn(n_pages, page, 1, d_qk, generator=gen) * 0.1).to(torch.bfloat16)
         q = (torch.randn(b, s_q, h, d_qk, generator=gen) * 0.1).to(torch.bfloat16)
         bt = torch.randperm(n_pages, generator=gen)[: b * 12].reshape(b, 12).to(torch.int32)
@@ -278,8 +279,8 @@ def _decode_steps(g: Group, step, dev) -> None:
         bias = (torch.randn(b, h, d_qk, generator=gen) * 0.05).to(torch.bfloat16)
         return cache, q, bt, idx, tl, sink, bias
 
-    def run(op, h, d_qk, splits, combine="separate", env=None):
-        cache, q, bt, idx, tl, sink, bias = case(h, d_qk)
+    def run(op, h, d_qk, splits, combine="separate", env=None, topk=topk, b=b, s_q=s_q):
+        cache, q, bt, idx, tl, sink, bias = case(h, d_qk, topk, b)
         scale = d_qk ** -0.5
         w_out, w_lse = ref.sparse_mla_decode_ref(q.float(), cache.float(), idx, scale, 512, tl, sink, bt, bias)
         to = lambda t: t.to(dev) if t is not None else None  # noqa: E731
@@ -314,6 +315,10 @@ def _decode_steps(g: Group, step, dev) -> None:
                                ("decode_cluster4_h128_l2", 128, 4, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "l2"})):
         if op in g.ops:
             run(op, h, 576, splits, "cluster", env)
+    if "decode_auto_cluster8_h128" in g.ops:
+        # the default rule at b 2, s_q 2 (the first 2 requests): 8 rows of 64 heads, 16-CTA
+        # clusters do not all fit on an H100 / H200, so 8 splits in clusters of 8 (bf16 staging)
+        run("decode_auto_cluster8_h128", 128, 576, None, "auto", topk=1024, b=2)
     if "merge" in g.ops:
         n, rows, h = 3, 37, 128
         outs = torch.randn(n, rows, h, 512, generator=gen)

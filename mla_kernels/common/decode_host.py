@@ -138,18 +138,18 @@ ENV_CLUSTER_MAX = "MLA_KERNELS_DECODE_CLUSTER_MAX"
 ENV_CLUSTER_PARTS = "MLA_KERNELS_DECODE_CLUSTER_PARTS"
 CLUSTER_SIZES = (2, 4, 8, 16)
 DEFAULT_CLUSTER_MAX = 16
-#: ``auto`` merges in a cluster only plans of at most this many rows (``b * s_q * h_q / 64``):
-#: measured on an H200 (docs/PERF.md), two clusters of 16 (b 1) gain 3-3.5% of graph time and
-#: one launch of host time; eight clusters of 16 (b 2, s_q 2, h_q 128) lose 36% (they do not all fit
-#: on the GPU at once)
-AUTO_CLUSTER_ROWS = 2
+#: ``auto`` may lower a 64-head plan's split count to this cluster size when clusters of its own
+#: split count do not all fit on the GPU (measured on an H200, docs/PERF.md: b 2, s_q 2, h_q 128 --
+#: 8 rows -- 16 splits with the combine kernel 21.3 us, 8 clusters of 16 28.3, 8 clusters of 8
+#: 17.6; 8-CTA clusters at b 1 lose to 16: 17.0 vs 15.0 us)
+AUTO_RESPLIT = 8
 DEFAULT_CLUSTER_PARTS = "bf16"
 
 
 def combine_mode() -> str:
     """How a split plan merges its parts, read when a plan is made: ``MLA_KERNELS_DECODE_COMBINE``
-    = ``auto`` (default: ``cluster`` for plans of at most ``AUTO_CLUSTER_ROWS`` rows that it
-    serves, else ``separate``), ``separate``
+    = ``auto`` (default: ``cluster`` for plans whose clusters all fit on the GPU, possibly with 8
+    splits instead of more -- :func:`cluster_size_for` --, else ``separate``), ``separate``
     (the combine kernel after the decode kernel, two launches), ``fused`` (one launch: the last
     CTA of each row merges it) or ``cluster`` (one launch: the row's split CTAs run as one
     thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; 64-head kernel, split
@@ -185,17 +185,128 @@ def cluster_knobs():
     return int(mx), parts
 
 
+def cluster_capacity(device: torch.device, cluster: int, num_sms: int) -> int:
+    """Clusters of ``cluster`` CTAs (one CTA per SM, as the 64-head decode kernels run) that can be
+    resident at once: :func:`max_active_clusters` (the driver's occupancy query -- an H200 with
+    132 SMs: 66, 30, 15, 7 for 2, 4, 8, 16), else (no CUDA device or no driver query) half of
+    ``num_sms // cluster`` -- a cluster's CTAs need SMs of one GPC, so not every SM can take part
+    (the conservative half gives 33, 16, 8, 4 at 132 SMs, the same choices for b <= 2)."""
+    n = max_active_clusters(device, cluster)
+    return n if n is not None else num_sms // cluster // 2
+
+
 def cluster_size_for(plan, mode: str, max_cluster: int) -> int:
-    """The cluster size a plan's kernel runs with (0: none): its split count when the combine mode
-    asks for clusters (``cluster``, or ``auto`` for a plan of at most ``AUTO_CLUSTER_ROWS`` rows),
-    the 64-head kernel serves it and the split count is a cluster size no larger than
-    ``max_cluster``."""
+    """The cluster size a plan's kernel runs with (0: none); only the 64-head kernel merges in
+    clusters, of 2, 4, 8 or 16 CTAs, at most ``max_cluster``:
+
+    * ``cluster``: the plan's split count when it is such a size (whether or not all clusters fit
+      at once -- those that do not wait for a free GPC);
+    * ``auto``: the split count if the plan's ``rows`` clusters of that size fit on the GPU at once
+      (:func:`cluster_capacity`); else, unless the split count was forced, ``AUTO_RESPLIT`` (8)
+      when the plan has more than 8 splits, 8 splits deal its blocks evenly and ``rows`` clusters
+      of 8 fit -- the caller then lowers the plan's split count to 8; else 0 (the combine kernel).
+    """
+    from ..decode import device_sm_count
+
     if mode not in ("cluster", "auto") or plan.num_splits <= 1 or plan.h_q in NARROW_HEADS:
         return 0
-    if mode == "auto" and plan.b * plan.s_q * (plan.h_q // 64) > AUTO_CLUSTER_ROWS:
-        return 0
     n = plan.num_splits
-    return n if n in CLUSTER_SIZES and n <= max_cluster else 0
+    ok = n in CLUSTER_SIZES and n <= max_cluster
+    if mode == "cluster":
+        return n if ok else 0
+    rows = plan.b * plan.s_q * (plan.h_q // 64)
+    sms = device_sm_count(plan.device)
+    if ok and rows <= cluster_capacity(plan.device, n, sms):
+        return n
+    c = AUTO_RESPLIT
+    if plan.forced_splits or n <= c or c > max_cluster:
+        return 0
+    n_blocks = max(1, -(-plan.topk // 64))
+    if -(-n_blocks // -(-n_blocks // c)) != c:  # 8 splits would leave one empty
+        return 0
+    return c if rows <= cluster_capacity(plan.device, c, sms) else 0
+
+
+#: a PTX kernel that does nothing: the occupancy probe's stand-in for a decode kernel (the driver
+#: JIT-compiles it; its resources that matter -- block size, shared memory -- are set per query)
+_PROBE_PTX = b""".version 7.8
+.target sm_90
+.address_size 64
+.visible .entry mla_kernels_cluster_probe()
+{
+    ret;
+}
+"""
+#: shared memory the probe asks for: more than half an SM's (227 KB on sm90), so one CTA per SM,
+#: as every 64-head decode kernel (smem ~225-230 KB) runs
+PROBE_SMEM = 232448
+PROBE_THREADS = 384
+_fit_cache = {}
+_fit_errors = {}  # why a probe gave None (tools/cluster_occupancy.py prints it)
+
+
+def max_active_clusters(device: torch.device, cluster: int, smem: int = PROBE_SMEM, threads: int = PROBE_THREADS):
+    """How many clusters of ``cluster`` CTAs (``threads`` threads, ``smem`` bytes of dynamic shared
+    memory each) can be resident on ``device`` at once: the driver's
+    ``cuOccupancyMaxActiveClusters`` for a do-nothing probe kernel with those resources (a cluster
+    needs its CTAs' SMs in one GPC, so on an H100 / H200 fewer clusters of 16 fit than 132 / 16).
+    Cached per (device, cluster, smem, threads); ``None`` when the driver cannot be asked (no
+    CUDA device, no ``cuda.bindings``, no current context, an error) -- the caller then falls back
+    to its documented rule."""
+    if device.type != "cuda":
+        return None
+    key = (device.index or 0, cluster, smem, threads)
+    if key in _fit_cache:
+        return _fit_cache[key]
+    n = None
+    try:
+        from cuda.bindings import driver as cu
+
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            torch.empty(1, device=device)  # the primary context is current on this thread
+            err, ctx = cu.cuCtxGetCurrent()
+            if err != cu.CUresult.CUDA_SUCCESS or int(ctx) == 0:
+                raise RuntimeError(f"no current CUDA context ({err})")
+            else:
+                err, mod = cu.cuModuleLoadData(_PROBE_PTX + b"\0")
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuModuleLoadData: {err}")
+                else:
+                    try:
+                        n = _probe(cu, mod, cluster, smem, threads)
+                    finally:
+                        cu.cuModuleUnload(mod)
+    except Exception as e:  # pragma: no cover - depends on the machine
+        _fit_errors[key] = f"{type(e).__name__}: {e}"
+        n = None
+    _fit_cache[key] = n
+    return n
+
+
+def _probe(cu, mod, cluster, smem, threads):
+    err, fn = cu.cuModuleGetFunction(mod, b"mla_kernels_cluster_probe")
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuModuleGetFunction: {err}")
+    A = cu.CUfunction_attribute
+    for a, v in ((A.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                 (A.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1 if cluster > 8 else 0)):
+        err = cu.cuFuncSetAttribute(fn, a, v)[0]
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuFuncSetAttribute({a}): {err}")
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+    cfg.sharedMemBytes = smem
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    err, n = cu.cuOccupancyMaxActiveClusters(fn, cfg)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters: {err}")
+    return int(n)
 
 
 def parts_dtype_name() -> str:
@@ -257,6 +368,14 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     plan.state["fused"] = fused
     max_cluster, staging = cluster_knobs()
     cluster = cluster_size_for(plan, mode, max_cluster)
+    if cluster and cluster != plan.num_splits:
+        # auto: fewer splits, merged in clusters that fit (cluster_size_for)
+        n_blocks = max(1, -(-plan.topk // 64))
+        plan.num_splits, plan.blocks_per_split = cluster, -(-n_blocks // cluster)
+        if plan.out_parts is not None:  # the workspace's first splits (the L2 staging uses it)
+            plan.out_parts, plan.lse_parts = plan.out_parts[:cluster], plan.lse_parts[:cluster]
+            if plan.max_logits_parts is not None:
+                plan.max_logits_parts = plan.max_logits_parts[:cluster]
     plan.state["cluster"] = cluster
     ef = l2_evict_first(plan.h_q)
     parts = "bf16" if split and not fused and not cluster and parts_dtype_name() == "bf16" else "f32"
