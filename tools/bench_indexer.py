@@ -34,6 +34,17 @@ import mla_kernels as mk  # noqa: E402
 
 H, D = 64, 128
 
+#: top-k cases that rerun the default top-k rows under a setting: case -> (variable, [(value, row
+#: suffix), ...]); the variable is removed again after each run
+ENV_TOPK_CASES = {
+    "topk_nohist": ("MLA_KERNELS_INDEXER_TOPK_HIST", [("0", "_nohist")]),
+    "sum_parts_topk": ("MLA_KERNELS_INDEXER_SUM_PARTS", [("2", "_chains2"), ("4", "_chains4")]),
+    "topk_packed": ("MLA_KERNELS_INDEXER_SCORE_HEADSUM", [("bf16x2", "_bf16x2sum")]),
+    "topk_pp": ("MLA_KERNELS_INDEXER_SCORE_PINGPONG", [("1", "_pp")]),
+    "topk_nopp": ("MLA_KERNELS_INDEXER_SCORE_PINGPONG", [("0", "_nopp")]),
+    "hist_modes": ("MLA_KERNELS_INDEXER_TOPK_HIST", [(m, f"_hist{m}") for m in ("0", "plain", "pad")]),
+}
+
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seqs", default="32768,65536", help="comma-separated sequence lengths S")
@@ -245,45 +256,16 @@ def rows(args):
             med, ts = _time(f, args.sets, args.warmup, args.reps)
             _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
             del s8
-        if "topk_nohist" in mine and cuda:
-            os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = "0"
-            try:
-                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_nohist")
-            finally:
-                os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
-        if "sum_parts_topk" in mine and cuda:
-            for parts in ("2", "4"):
-                os.environ["MLA_KERNELS_INDEXER_SUM_PARTS"] = parts
-                try:
-                    _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, f"_chains{parts}")
-                finally:
-                    os.environ.pop("MLA_KERNELS_INDEXER_SUM_PARTS", None)
-        if "topk_packed" in mine and cuda:
-            os.environ["MLA_KERNELS_INDEXER_SCORE_HEADSUM"] = "bf16x2"
-            try:
-                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_bf16x2sum")
-            finally:
-                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_HEADSUM", None)
-            _packed_error(S, TOPK, sets, scale)
-        if "topk_pp" in mine and cuda:
-            os.environ["MLA_KERNELS_INDEXER_SCORE_PINGPONG"] = "1"
-            try:
-                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_pp")
-            finally:
-                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_PINGPONG", None)
-        if "topk_nopp" in mine and cuda:
-            os.environ["MLA_KERNELS_INDEXER_SCORE_PINGPONG"] = "0"
-            try:
-                _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, "_nopp")
-            finally:
-                os.environ.pop("MLA_KERNELS_INDEXER_SCORE_PINGPONG", None)
-        if "hist_modes" in mine and cuda:
-            for mode in ("0", "plain", "pad"):
-                os.environ["MLA_KERNELS_INDEXER_TOPK_HIST"] = mode
-                try:
-                    _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, f"_hist{mode}")
-                finally:
-                    os.environ.pop("MLA_KERNELS_INDEXER_TOPK_HIST", None)
+        for case, (var, runs) in ENV_TOPK_CASES.items():
+            if case in mine and cuda:
+                for value, suffix in runs:
+                    os.environ[var] = value
+                    try:
+                        _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, suffix)
+                    finally:
+                        os.environ.pop(var, None)
+                if case == "topk_packed":
+                    _packed_error(S, TOPK, sets, scale)
         if "sum_parts" in mine and cuda:
             _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev)
         if "topk_parts" in mine and cuda:
