@@ -1,5 +1,5 @@
 """The per-row kv-band order of the backward's slots (common/index_order.py,
-common/bwd_host.kv_ordered): compile on the CPU, exact results on an sm_90 GPU, and the backward's
+common/order_host.kv_ordered): compile on the CPU, exact results on an sm_90 GPU, and the backward's
 results with and without it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import assert_close_fwd, make_case, needs_cutlass, rel_l2, skip_un
 def expected_order(idx: torch.Tensor, s_kv: int, topk_length=None):
     """(ordered indices, the slots they came from): stable by band ``min(idx >> shift, 62)``,
     invalid entries last as -1."""
-    from mla_kernels.common.bwd_host import band_shift
+    from mla_kernels.common.order_host import band_shift
 
     s_q, topk = idx.shape
     slot = torch.arange(topk, device=idx.device).expand(s_q, topk)
@@ -31,17 +31,17 @@ def expected_order(idx: torch.Tensor, s_kv: int, topk_length=None):
 def test_index_order_compiles_for_sm90():
     needs_cutlass()
     from mla_kernels.common.index_order import MAX_STAGE, band_shift, compile_index_order, stage_for
-    from mla_kernels.common import bwd_host
+    from mla_kernels.common import order_host
 
     for s_kv in (1, 63, 64, 65, 1000, 32768, 2**31 - 1):
-        assert bwd_host.band_shift(s_kv) == band_shift(s_kv)
+        assert order_host.band_shift(s_kv) == band_shift(s_kv)
         assert (s_kv - 1) >> band_shift(s_kv) < 64
     kernel, _ = compile_index_order(True, True, "sm_90a")  # direct stores (rows past MAX_STAGE)
     assert kernel.smem_bytes == 8 * 64 * 4 + 2 * 16
     kernel, _ = compile_index_order(True, True, "sm_90a", stage=2048)  # the row staged in smem
     assert kernel.smem_bytes == 8 * 64 * 4 + 2 * 2048 * 4
     for topk in (1, 2, 3, 64, 100, 2048, 2049, 8192, 8193, 100_000):
-        assert bwd_host.stage_for(topk) == stage_for(topk)
+        assert order_host.stage_for(topk) == stage_for(topk)
         assert stage_for(topk) == 0 or topk <= stage_for(topk) <= MAX_STAGE
     assert stage_for(8193) == 0 and stage_for(100) == 128
     with pytest.raises(ValueError, match="power of two"):
@@ -64,7 +64,7 @@ def test_expected_order_on_cpu():
 @pytest.mark.parametrize("with_tl", [False, True])
 @pytest.mark.parametrize("s_kv", [40, 3000, 100_000])
 def test_index_order_exact(topk, with_tl, s_kv):
-    from mla_kernels.common import bwd_host
+    from mla_kernels.common import order_host
     from mla_kernels.common.problem import Problem
 
     torch.manual_seed(topk + with_tl + s_kv)
@@ -81,11 +81,11 @@ def test_index_order_exact(topk, with_tl, s_kv):
     q = torch.empty(s_q, 64, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.empty(s_kv, 576, device="cuda", dtype=torch.bfloat16)
     p = Problem(q, kv, idx, 1.0, 512, tl, None, kv.shape)
-    p2, perm = bwd_host.kv_ordered(p, True)
+    p2, perm = order_host.kv_ordered(p, True)
     ref, ref_perm = expected_order(idx, s_kv, tl)
     assert torch.equal(p2.indices, ref)
     assert torch.equal(perm, ref_perm)
-    p3, none = bwd_host.kv_ordered(p, False)
+    p3, none = order_host.kv_ordered(p, False)
     assert none is None and torch.equal(p3.indices, ref)
 
 
@@ -96,14 +96,14 @@ def test_bwd_same_with_and_without_sort(h_q, monkeypatch):
     """The backward on kv-ordered slots gives the unsorted run's gradients (to float rounding:
     the order of additions differs) and attn_sum in the caller's slot order."""
     import mla_kernels as mk
-    from mla_kernels.common import bwd_host
+    from mla_kernels.common import order_host
 
     case = make_case(150, h_q, 576, 900, 256, device="cuda", invalid_frac=0.1, dup_frac=0.1, topk_length=True)
     out, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, topk_length=case.topk_length)
     dout = torch.randn_like(out)
     res = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(bwd_host.SORT_ENV, flag)
+        monkeypatch.setenv(order_host.SORT_ENV, flag)
         res[flag] = mk.sparse_mla_bwd(case.q, case.kv, out, dout, case.indices, lse, case.sm_scale,
                                       topk_length=case.topk_length, return_attn_sum=True)
     (dq1, dkv1, _, a1), (dq0, dkv0, _, a0) = res["1"], res["0"]
@@ -123,7 +123,7 @@ def test_fwd_same_with_and_without_order(h_q, sink, monkeypatch):
     empty rows) and a sink."""
     import mla_kernels as mk
     from mla_kernels import reference as ref
-    from mla_kernels.common import bwd_host
+    from mla_kernels.common import order_host
 
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     case = make_case(200, h_q, 576, 3000, 512, device="cuda", invalid_frac=0.1, dup_frac=0.1, topk_length=True,
@@ -131,14 +131,14 @@ def test_fwd_same_with_and_without_order(h_q, sink, monkeypatch):
     args = (case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length, case.attn_sink)
     p = mk.api.make_problem(*args)
     dev = torch.cuda.current_device()
-    monkeypatch.setitem(bwd_host._L2_BYTES, dev, 1 << 40)
-    monkeypatch.setenv(bwd_host.FWD_ORDER_ENV, "auto")
-    assert not bwd_host.fwd_order_wanted(p)
-    monkeypatch.setitem(bwd_host._L2_BYTES, dev, 1024)  # kv rows >> "L2": ordered at h_q 64 only
-    assert bwd_host.fwd_order_wanted(p) == (h_q == 64)
+    monkeypatch.setitem(order_host._L2_BYTES, dev, 1 << 40)
+    monkeypatch.setenv(order_host.FWD_ORDER_ENV, "auto")
+    assert not order_host.fwd_order_wanted(p)
+    monkeypatch.setitem(order_host._L2_BYTES, dev, 1024)  # kv rows >> "L2": ordered at h_q 64 only
+    assert order_host.fwd_order_wanted(p) == (h_q == 64)
     res = {}
     for flag in ("0", "1", "auto"):
-        monkeypatch.setenv(bwd_host.FWD_ORDER_ENV, flag)
+        monkeypatch.setenv(order_host.FWD_ORDER_ENV, flag)
         res[flag] = mk.sparse_mla_fwd(*args)
     want = ref.sparse_mla_fwd_ref(case.q.float(), case.kv.float(), case.indices, case.sm_scale, 512,
                                   case.topk_length, case.attn_sink)

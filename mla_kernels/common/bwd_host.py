@@ -32,13 +32,13 @@ and read once.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
 from .. import _compile
 from . import host
+from .order_host import kv_ordered, sort_enabled
 from .problem import Problem
 from ..reference import effective_lse, valid_mask
 
@@ -92,87 +92,6 @@ def ws_row_blocks(kernel, h_q: int) -> int:
     for the sm90 and sm100 1-CTA kernels, 128 for the sm100 2-CTA kernel, which sums its two head
     blocks before it stores)."""
     return h_q // getattr(kernel, "ws_row_heads", B_H)
-
-
-#: Environment switch of :func:`kv_ordered` (``0``: the kernel gets the slots as given; for A/B
-#: timing and for callers whose indices are already in kv order).
-SORT_ENV = "MLA_KERNELS_BWD_SORT"
-
-
-def sort_enabled() -> bool:
-    return os.environ.get(SORT_ENV, "1") != "0"
-
-
-#: Environment switch of the forward's use of :func:`kv_ordered` (``auto``: :func:`fwd_order_wanted`'s
-#: rule, ``1``: always, ``0``: never).
-FWD_ORDER_ENV = "MLA_KERNELS_FWD_ORDER"
-_L2_BYTES: dict = {}
-
-
-def fwd_order_wanted(p: Problem) -> bool:
-    """Whether the forward should run on :func:`kv_ordered` slots (or per ``MLA_KERNELS_FWD_ORDER``):
-    at ``h_q`` 64 when the ``s_kv`` bf16 kv rows outgrow the L2 cache.  There the CTAs running
-    together (one per token) gather from a band of the kv range that stays in L2; measured on an
-    H200 (docs/PERF.md): h_q 64 s_kv 64k / 128k / 256k 1.02x / 1.06x / 1.07x; at h_q 128 (two CTAs
-    per token read the same rows) 0.98-1.00x, so not used there; with the kv rows in L2 the order
-    gains nothing and costs its kernel."""
-    mode = os.environ.get(FWD_ORDER_ENV, "auto")
-    if mode == "0" or not p.indices.is_cuda or p.s_q == 0 or p.topk == 0:
-        return False
-    if mode == "1":
-        return True
-    if p.h_q != 64:
-        return False
-    key = p.device.index if p.device.index is not None else torch.cuda.current_device()
-    l2 = _L2_BYTES.get(key)
-    if l2 is None:
-        l2 = _L2_BYTES[key] = int(getattr(torch.cuda.get_device_properties(key), "L2_cache_size", 0) or 50 << 20)
-    return p.s_kv * p.d_qk * p.kv.element_size() > l2
-
-
-def kv_ordered(p: Problem, want_perm: bool):
-    """``(p with each row's slots grouped by kv band, perm)``.
-
-    Each row's valid entries come first, ordered by band (63 bands over ``[0, s_kv)``; in slot
-    order within a band), then -1 for the invalid ones (including slots past ``topk_length``,
-    which stays valid: it still bounds the valid entries).  ``perm [s_q, topk]`` int32 (only with
-    ``want_perm``, else None): the original slot of each entry.  Why: the backward's dKV
-    scatter-add into a float32 workspace is bound by the L2/HBM read-modify-write, and with every
-    row in kv order the CTAs running at the same time add into the same narrow band of rows, which
-    stays in L2 (docs/PERF.md: H200, s_q 4096, topk 2048, s_kv 32k, h_q 64: 11.92 -> 8.80 ms).  One
-    CTA per row (:class:`~mla_kernels.common.index_order.KvBandOrder`); the order depends only on
-    the inputs, so the deterministic mode stays bitwise reproducible."""
-    if p.s_q == 0 or p.topk == 0:
-        return p, None
-    dev = p.device
-    arch = _compile.arch_for_device(dev)
-    has_tl = p.topk_length is not None
-    stage = stage_for(p.topk)
-    _, fn = _compile.cached_compile(("KvBandOrder", has_tl, want_perm, stage, arch),
-                                    lambda: _compile_index_order(has_tl, want_perm, arch, stage))
-    out = torch.empty_like(p.indices)
-    perm = torch.empty_like(p.indices) if want_perm else host.dummy(torch.int32, dev, (1, 1))
-    tl = p.topk_length if has_tl else host.dummy(torch.int32, dev)
-    fn(p.indices, tl, out, perm, p.s_kv, band_shift(p.s_kv))
-    return p.with_indices(out), (perm if want_perm else None)
-
-
-def band_shift(s_kv: int) -> int:
-    """``common.index_order.band_shift`` (kept here so that the warm path imports no DSL)."""
-    return max(0, (max(s_kv, 1) - 1).bit_length() - 6)
-
-
-def stage_for(topk: int) -> int:
-    """``common.index_order.stage_for`` (kept here so that the warm path imports no DSL)."""
-    if topk > 8192:
-        return 0
-    return 1 << max(0, (max(topk, 1) - 1).bit_length())
-
-
-def _compile_index_order(has_tl: bool, want_perm: bool, arch: str, stage: int):
-    from .index_order import compile_index_order  # the kernel module (imports the DSL): only to compile
-
-    return compile_index_order(has_tl, want_perm, arch, stage)
 
 
 def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False,

@@ -7,7 +7,7 @@ over ``[0, s_kv)`` -- and, within a band, by slot (a stable order); the invalid 
 ``indices[r]`` that ``out[r, j]`` came from (a permutation of ``0..topk-1``).  Duplicates are kept.
 The order depends only on the inputs, so it is the same on every run.
 
-Why (the sparse backward, ``common/bwd_host.py``): the float32 dKV scatter-add is bound by the
+Why (the sparse backward; host side in ``common/order_host.py``): the float32 dKV scatter-add is bound by the
 L2 / HBM read-modify-write of a ``[s_kv, d_qk]`` workspace.  With each row's slots in kv order,
 the CTAs that run at the same time walk the kv range together, so their atomics (and gathers)
 fall into a narrow band of rows that stays in L2.  A band order is all that needs: the kernel

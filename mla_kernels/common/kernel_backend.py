@@ -130,10 +130,10 @@ class CuteKernelBackend(Backend):
 
     compile_bwd = None  # the backward's compile function (same arguments on every arch)
     bwd_name = ""  # its compile-cache key
-    #: Run the backward on each row's slots in kv order (``bwd_host.kv_ordered``); on where it
+    #: Run the backward on each row's slots in kv order (``order_host.kv_ordered``); on where it
     #: was measured.
     bwd_sort_indices = False
-    #: Run the forward on kv-ordered slots where ``bwd_host.fwd_order_wanted`` says so (long kv
+    #: Run the forward on kv-ordered slots where ``order_host.fwd_order_wanted`` says so (long kv
     #: ranges); on where it was measured.
     fwd_sort_indices = False
 
@@ -183,10 +183,10 @@ class CuteKernelBackend(Backend):
 
     def fwd(self, p: Problem):
         if self.fwd_sort_indices:
-            from . import bwd_host
+            from . import order_host
 
-            if bwd_host.fwd_order_wanted(p):  # out / max_logits / lse do not depend on the slot order
-                p = bwd_host.kv_ordered(p, False)[0]
+            if order_host.fwd_order_wanted(p):  # out / max_logits / lse do not depend on the slot order
+                p = order_host.kv_ordered(p, False)[0]
         fn = self.fwd_kernel(p)
         out = host.alloc((p.s_q, p.h_q, p.d_v), torch.bfloat16, p.device)
         max_logits = host.alloc((p.s_q, p.h_q), torch.float32, p.device)

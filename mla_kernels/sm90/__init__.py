@@ -119,7 +119,7 @@ class Sm90Backend(CuteKernelBackend):
     compile_bwd = staticmethod(compile_bwd)
     bwd_name = "SparseMlaBwdSm90"
     bwd_sort_indices = True  # H200, s_kv 32k: h_q 64 1.35x, h_q 128 1.01x (docs/PERF.md)
-    fwd_sort_indices = True  # long kv ranges only (bwd_host.fwd_order_wanted; docs/PERF.md)
+    fwd_sort_indices = True  # long kv ranges only (order_host.fwd_order_wanted; docs/PERF.md)
 
     def device_reason(self, major: int, minor: int) -> Optional[str]:
         return None if (major, minor) == (9, 0) else "not a compute capability 9.0 (Hopper) device"
