@@ -24,7 +24,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -47,47 +47,6 @@ def bfly_offsets(seg: int):
 
 def staged_bytes(rows: int, d_v: int, bf16: bool) -> int:
     return rows * row_stride_bytes(d_v, bf16)
-
-
-@dsl_user_op
-def st_shared_v4_f32(smem_addr: Int32, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None,
-                     ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
-        "r,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def st_shared_v2_b32(smem_addr: Int32, a: Uint32, b: Uint32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Uint32(a).ir_value(loc=loc, ip=ip),
-         Uint32(b).ir_value(loc=loc, ip=ip)],
-        "st.shared.v2.b32 [$0], {$1, $2};",
-        "r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def st_shared_f32(smem_addr: Int32, a: Float32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None,
-        [Int32(smem_addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip)],
-        "st.shared.f32 [$0], $1;",
-        "r,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 @dsl_user_op
@@ -137,9 +96,9 @@ def stage_row_stats(stats_addr: Int32, row: Int32, n_rows: cutlass.Constexpr, l:
     """Stage one head's ``lse`` (``+inf`` when empty) at ``stats[row]`` and its max logit
     (``-inf`` when empty) at ``stats[n_rows + row]`` (float32 words)."""
     empty = l == Float32(0.0)
-    st_shared_f32(stats_addr + 4 * row,
+    dev.st_shared_f32(stats_addr + 4 * row,
                   Float32(cutlass.select_(empty, Float32(math.inf), cute.math.log(l) + m_log2 * dev.LN2)))
-    st_shared_f32(stats_addr + 4 * (n_rows + row), Float32(cutlass.select_(empty, Float32(-math.inf), m_log2 * dev.LN2)))
+    dev.st_shared_f32(stats_addr + 4 * (n_rows + row), Float32(cutlass.select_(empty, Float32(-math.inf), m_log2 * dev.LN2)))
 
 
 @cute.jit
@@ -148,9 +107,9 @@ def stage_o_v4(x_addr: Int32, row: Int32, col: Int32, v0: Float32, v1: Float32, 
     """Stage four consecutive columns ``col .. col+3`` of row ``row`` (16 / 8 bytes)."""
     stride = row_stride_bytes(d_v, bf16)
     if cutlass.const_expr(bf16):
-        st_shared_v2_b32(x_addr + row * stride + col * 2, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
+        dev.st_shared_v2_b32(x_addr + row * stride + col * 2, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
     else:
-        st_shared_v4_f32(x_addr + row * stride + col * 4, v0, v1, v2, v3)
+        dev.st_shared_v4_f32(x_addr + row * stride + col * 4, v0, v1, v2, v3)
 
 
 @cute.jit

@@ -90,7 +90,6 @@ class LseCombine:
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
-        n_parts = mL.shape[0]
         n_rows = mL.shape[1]
         item = bidx * WARPS + warp
         row = item // self.n_groups

@@ -217,6 +217,29 @@ def st_shared_v4_b32(smem_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint3
 
 
 @dsl_user_op
+def st_shared_v4_f32(smem_addr: Int32, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """A 16-byte shared-memory store of four floats (32-bit shared address)."""
+    _store("st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f",
+           [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+           loc, ip)
+
+
+@dsl_user_op
+def st_shared_v2_b32(smem_addr: Int32, a: Uint32, b: Uint32, *, loc=None, ip=None) -> None:
+    """An 8-byte shared-memory store of two 32-bit words (32-bit shared address)."""
+    _store("st.shared.v2.b32 [$0], {$1, $2};", "r,r,r",
+           [Int32(smem_addr).ir_value(loc=loc, ip=ip)] + [Uint32(x).ir_value(loc=loc, ip=ip) for x in (a, b)],
+           loc, ip)
+
+
+@dsl_user_op
+def st_shared_f32(smem_addr: Int32, a: Float32, *, loc=None, ip=None) -> None:
+    """A 4-byte shared-memory store of one float (32-bit shared address)."""
+    _store("st.shared.f32 [$0], $1;", "r,f",
+           [Int32(smem_addr).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
 def st_global_b32(gmem_addr: Int64, value: Uint32, *, loc=None, ip=None) -> None:
     """A 4-byte global store at a 64-bit address."""
     _store("st.global.b32 [$0], $1;", "l,r",
