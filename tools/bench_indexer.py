@@ -239,23 +239,12 @@ def rows(args):
         fl_scores = 2.0 * H * D * S * (S + 1) / 2
         fl_pass = 2.0 * S * TOPK * H * D
         sets = _inputs(S, args.sets, dev)
-        if "topk" in mine:
-            def f(i):
-                s = sets[i]
-                return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
-            med, ts = _time(f, args.sets, args.warmup, args.reps)
-            _row(out, "topk_bf16", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
-        if "topk_fp8" in mine:
-            s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
-                       qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
-
-            def f(i):
-                s = s8[i]
-                return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"],
-                                       k_scale=s["ks"])
-            med, ts = _time(f, args.sets, args.warmup, args.reps)
-            _row(out, "topk_fp8", ours, S, TOPK, med, ts, fl_scores, _peak_mib(f))
-            del s8
+        for case, fp8 in (("topk", False), ("topk_fp8", True)):
+            if case in mine:
+                fn = _topk_fns(sets, _fp8_sets(sets, S, dev) if fp8 else None, TOPK, scale)[fp8]
+                med, ts = _time(fn, args.sets, args.warmup, args.reps)
+                _row(out, "topk_fp8" if fp8 else "topk_bf16", ours, S, TOPK, med, ts, fl_scores, _peak_mib(fn))
+                del fn
         for case, (var, runs) in ENV_TOPK_CASES.items():
             if case in mine and cuda:
                 for value, suffix in runs:
@@ -413,11 +402,14 @@ def shuffle_slots(idx, tgt, length, seed=0):
     return idx.gather(1, perm), tgt.gather(1, perm)
 
 
-def _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, tag):
-    """``indexer_topk`` bf16 and fp8 rows (as the default cases) under the current environment."""
-    s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
-               qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+def _fp8_sets(sets, S, dev):
+    """The bf16 input sets cast to float8 (e4m3), with unit dequantisation scales."""
+    return [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
+                 qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
 
+
+def _topk_fns(sets, s8, TOPK, scale):
+    """``(bf16 call, fp8 call)``: ``indexer_topk`` on input set ``i``."""
     def f16(i):
         s = sets[i]
         return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
@@ -425,6 +417,12 @@ def _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, tag):
     def f8(i):
         s = s8[i]
         return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"], k_scale=s["ks"])
+    return f16, f8
+
+
+def _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, tag):
+    """``indexer_topk`` bf16 and fp8 rows (as the default cases) under the current environment."""
+    f16, f8 = _topk_fns(sets, _fp8_sets(sets, S, dev), TOPK, scale)
     for name, fn in (("topk_bf16", f16), ("topk_fp8", f8)):
         med, ts = _time(fn, args.sets, args.warmup, args.reps)
         _row(out, name + tag, "ours", S, TOPK, med, ts, fl_scores, _peak_mib(fn))
@@ -433,21 +431,12 @@ def _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, tag):
 def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
     """``indexer_topk`` (bf16, fp8) and ``indexer_loss`` forward + backward with the head sums in 2
     or 4 FMA chains (``MLA_KERNELS_INDEXER_SUM_PARTS``; the default rows use 1)."""
-    s8 = [dict(q=s["q"].to(torch.float8_e4m3fn), k=s["k"].to(torch.float8_e4m3fn),
-               qs=torch.ones(S, H, device=dev), ks=torch.ones(S, device=dev), w=s["w"]) for s in sets]
+    topk_bf16, topk_fp8 = _topk_fns(sets, _fp8_sets(sets, S, dev), TOPK, scale)
     idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
     g = torch.Generator(device=dev).manual_seed(1)
     tgt = torch.softmax(torch.randn(S, TOPK, device=dev, generator=g), -1) * (idx >= 0)
     leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                    w=s["w"].clone().requires_grad_(True)) for s in sets]
-
-    def topk_bf16(i):
-        s = sets[i]
-        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale)
-
-    def topk_fp8(i):
-        s = s8[i]
-        return mk.indexer_topk(s["q"], s["k"], s["w"], TOPK, sm_scale=scale, q_scale=s["qs"], k_scale=s["ks"])
 
     def loss(i):
         s = leaves[i]
