@@ -371,11 +371,13 @@ def paired_producer_loop(
     warp_in_wg: Int32,
     n_left: cutlass.Constexpr,
     n_k_tiles: cutlass.Constexpr,
+    l2_ahead: cutlass.Constexpr = 0,
 ):
     """The producer of :class:`PairedBlockConsumer`: block ``blk0 + 2 it`` -> buffer 0, the next
     -> buffer 1, in the halves' order the consumers free them (0L, 1R, 0R, 1L); then the four
     validity words (one per warp: buffer ``w // 2``, tokens ``32 (w % 2) ..``) and one arrival
-    each on ``bar_valid``."""
+    each on ``bar_valid``; then the L2 warm-up of the pair ``l2_ahead`` ahead
+    (:func:`~mla_kernels.common.decode_parts.prefetch_ahead`)."""
     for it in cutlass.range(num_iters, unroll=1):
         parity = it & 1
         blk = blk0 + 2 * it
@@ -397,6 +399,7 @@ def paired_producer_loop(
         if ptid % 32 == 0:
             sValid[warp_in_wg] = bits
             cute.arch.mbarrier_arrive(bar_valid)
+        dp.prefetch_ahead(gather, it, blk0, num_iters, l2_ahead)
 
 
 # ---------------------------------------------------------------------------------------------
