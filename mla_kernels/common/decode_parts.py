@@ -81,6 +81,16 @@ class PagedKvGather(KvGather):
         safe = Int64(cutlass.select_(v, idx, Int32(0)))
         prefetch_l2_bulk(self.kv_base + safe * self.row_bytes, self.row_bytes, v)
 
+    def prefetch_loaded(self, slot_b: int) -> None:
+        """Warm L2 with the rows of the block whose indices :meth:`load_indices` put in register
+        slot ``slot_b`` (no new loads): ``prefetch.global.L2`` of each 128-byte line, line ``t``
+        of a row by the group's lane ``t % 8``; invalid slots prefetch nothing.  Called before
+        the producer waits for a free buffer, so the rows travel from HBM while it waits."""
+        lane8 = self.ptid % 8
+        for j in range(self.rows_per_thread):
+            for t in range(self.n_tiles):
+                prefetch_l2_line(self.src[slot_b, j] + Int64(t * 128), self.ok[slot_b, j] & (lane8 == (t % 8)))
+
     def copy_tiles(self, buf_addr: Int32, slot_b: int, t0: int, t1: int) -> None:
         """:meth:`KvGather.copy_tiles` with this gather's L2 prefetch size.  Decode rows are
         ``d_qk * 2`` bytes at random rows of a large cache (no reuse): a 256-byte prefetch
@@ -280,6 +290,21 @@ def prefetch_l2_bulk(gmem_addr: Int64, nbytes: int, valid: Boolean, *, loc=None,
             loc=loc, ip=ip)],
         "{ .reg .pred p; setp.ne.s32 p, $1, 0; "
         f"@p cp.async.bulk.prefetch.L2.global [$0], {nbytes}; }}",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def prefetch_l2_line(gmem_addr: Int64, valid: Boolean, *, loc=None, ip=None) -> None:
+    """``prefetch.global.L2`` of the line holding ``gmem_addr`` when ``valid`` (a hint)."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(cutlass.select_(valid, Int32(1), Int32(0))).ir_value(
+            loc=loc, ip=ip)],
+        "{ .reg .pred p; setp.ne.s32 p, $1, 0; @p prefetch.global.L2 [$0]; }",
         "l,r",
         has_side_effects=True,
         is_align_stack=False,

@@ -58,7 +58,8 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
     def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
-                 fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, l2_ahead: int = 0):
+                 fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, l2_ahead: int = 0,
+                 l2_early: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -79,6 +80,7 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         # the producer warms L2 with the block pair this many pairs ahead (decode_parts.prefetch_ahead)
         assert l2_ahead in (0, 1, 2), l2_ahead
         self.l2_ahead = l2_ahead
+        self.l2_early = l2_early  # ... or the pair it is about to copy, once its indices are loaded
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
         self.n_m_tiles = d_v // 64
@@ -289,6 +291,9 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
             blk = blk0 + 2 * it
             gather.load_indices(blk, 0)
             gather.load_indices(blk + 1, 1)
+            if const_expr(self.l2_early):
+                gather.prefetch_loaded(0)
+                gather.prefetch_loaded(1)
             kb0.wait_free(parity)
             gather.copy_tiles(sK0_addr, 0, 0, self.n_k_tiles)
             kb0.commit_cp_async()
@@ -522,5 +527,6 @@ class SparseMlaDecodeNarrowSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeNarr
     ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
 
     def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False,
-                 l2_ahead: int = 0):
-        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True, evict_first=evict_first, l2_ahead=l2_ahead)
+                 l2_ahead: int = 0, l2_early: bool = False):
+        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True, evict_first=evict_first, l2_ahead=l2_ahead,
+                         l2_early=l2_early)
