@@ -383,21 +383,6 @@ def test_decode_knobs(monkeypatch):
     monkeypatch.setenv(decode_host.ENV_L2_POLICY, "normal")
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_L2_POLICY='normal'"):
         decode_host.l2_evict_first(16)
-    monkeypatch.delenv(decode_host.ENV_L2_AHEAD, raising=False)
-    assert decode_host.l2_ahead() == decode_host.DEFAULT_L2_AHEAD == 0
-    for v in ("0", "2"):
-        monkeypatch.setenv(decode_host.ENV_L2_AHEAD, v)
-        assert decode_host.l2_ahead() == int(v)
-    monkeypatch.setenv(decode_host.ENV_L2_AHEAD, "3")
-    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_L2_AHEAD='3'"):
-        decode_host.l2_ahead()
-    monkeypatch.delenv(decode_host.ENV_L2_EARLY, raising=False)
-    assert decode_host.l2_early() is False
-    monkeypatch.setenv(decode_host.ENV_L2_EARLY, "1")
-    assert decode_host.l2_early() is True
-    monkeypatch.setenv(decode_host.ENV_L2_EARLY, "yes")
-    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_L2_EARLY='yes'"):
-        decode_host.l2_early()
 
 
 def test_cluster_knobs_and_size_rule(monkeypatch):

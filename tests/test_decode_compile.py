@@ -10,7 +10,6 @@ from conftest import compile_report_module
 pytestmark = pytest.mark.compile
 SMEM_LIMIT = 232448
 NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
-         "sm90_decode_narrow_d576_h16_direct_l2warm",
          "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
          "sm90_decode_d576_h128_cluster16_l2"}
 
@@ -49,18 +48,11 @@ def test_decode_head_block_kernel(report):
     assert sass.get("STG.E.128", 0) >= 32  # float32 partial rows as 16-byte stores
 
 
-@pytest.mark.parametrize("name,h", [("sm90_decode_narrow_d576_h16_direct", 16),
-                                    ("sm90_decode_narrow_d576_h16_direct_l2warm", 16)])
+@pytest.mark.parametrize("name,h", [("sm90_decode_narrow_d576_h16_direct", 16)])
 def test_decode_narrow_kernel_heads_on_n(report, name, h):
     r = report[name]
     assert 0 < r["smem_bytes"] <= SMEM_LIMIT
     sass, base = _common(r)
-    # the producer's opt-in L2 warm-ups (MLA_KERNELS_DECODE_L2_AHEAD=1: bulk prefetches of whole
-    # rows, uniform-datapath -- the compiler loops over the lanes' addresses --;
-    # MLA_KERNELS_DECODE_L2_EARLY=1: per-line prefetches), absent by default; nothing else changes
-    warm = name.endswith("l2warm")
-    assert (base.get("UBLKPF", 0) >= 1) == warm
-    assert (sum(v for k, v in sass.items() if k.startswith("CCTL")) >= 1) == warm
     # heads on the MMA's N side: every product is m64 n=h (QK 36 + PV 8 m-tiles x 4 per block,
     # traced once per consumer warpgroup), no 64-row head tile anywhere
     assert sass.get(f"HGMMA.64x{h}x16.F32.BF16", 0) == 2 * (36 + 32)

@@ -230,31 +230,6 @@ def test_decode_direct_mode(h, b, s_q, monkeypatch):
     check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
 
 
-@pytest.mark.parametrize("h,b,s_q,splits", [(64, 140, 1, None), (16, 140, 1, None), (128, 3, 2, 3)])
-def test_decode_l2_ahead_same_result(h, b, s_q, splits, monkeypatch):
-    """The producer's L2 warm-ups (MLA_KERNELS_DECODE_L2_AHEAD 0 / 1 / 2, _L2_EARLY 1) are hints: the output,
-    lse and max_logits are bitwise the same, and right against the reference -- with a block
-    table, topk_length [b, s_q] (short and empty rows: warm-ups past the bound issue nothing),
-    invalid and duplicate slots, direct mode with 8 block pairs per CTA and split mode."""
-    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
-    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
-    c = dcase(b, s_q, h, 1024, seq_len=4096, tl="bs", sink=True, seed=70 + h)
-    res = {}
-    for ahead, early in (("0", "0"), ("1", "0"), ("2", "0"), ("0", "1")):
-        monkeypatch.setenv("MLA_KERNELS_DECODE_L2_AHEAD", ahead)
-        monkeypatch.setenv("MLA_KERNELS_DECODE_L2_EARLY", early)
-        plan = mk.decode_plan(b, s_q, h, 1024, device="cuda", with_max_logits=True, num_splits=splits)
-        assert plan.num_splits == (splits or 1)
-        plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)
-        res[ahead, early] = (out.clone(), lse.clone(), plan.max_logits.clone())
-    base = res["0", "0"]
-    check(*base[:2], want_of(c, sc, with_ml=True), c, ml=base[2])
-    for key, r in res.items():
-        for x, y in zip(r, base):
-            assert torch.equal(x, y), key
-
-
 @pytest.mark.parametrize("h", [32, 128])
 def test_decode_page_size_1_physical_ids(h, monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")

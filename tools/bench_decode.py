@@ -262,9 +262,9 @@ def rows(args):
     only = getattr(args, "cases", "") or ""
     forced_splits = getattr(args, "num_splits", None)
     physical = getattr(args, "physical", False)
-    from mla_kernels.common.decode_host import combine_mode, decode_knobs, l2_ahead
+    from mla_kernels.common.decode_host import combine_mode, decode_knobs
 
-    knobs = dict(zip(("pdl", "l2_prefetch"), decode_knobs()), combine=combine_mode(), l2_ahead=l2_ahead(),
+    knobs = dict(zip(("pdl", "l2_prefetch"), decode_knobs()), combine=combine_mode(),
                  l2_policy=os.environ.get("MLA_KERNELS_DECODE_L2_POLICY", "auto"))
     device = torch.device("cpu" if cpu else "cuda")
     dtype = torch.float32 if cpu else torch.bfloat16
@@ -390,10 +390,6 @@ AB_VARIANTS = [
     ("l2-0", {"MLA_KERNELS_DECODE_L2_PREFETCH": "0"}, "b128-sq1-h16,b128-sq1-h32,b128-sq1-h64", {}),
     ("evict-last", {"MLA_KERNELS_DECODE_L2_POLICY": "last"}, "b128-sq1-h16,b128-sq1-h32", {}),
     ("evict-first", {"MLA_KERNELS_DECODE_L2_POLICY": "first"}, "b128-sq1-h64,v32-b128-sq2-h128", {}),
-    ("l2-ahead-0", {"MLA_KERNELS_DECODE_L2_AHEAD": "0"}, "v32-b128-sq2-h128,b128-sq1-h64,b128-sq1-h32,b128-sq1-h16",
-     {}),
-    ("l2-ahead-2", {"MLA_KERNELS_DECODE_L2_AHEAD": "2"}, "v32-b128-sq2-h128,b128-sq1-h64,b128-sq1-h32,b128-sq1-h16",
-     {}),
     ("physical", {}, "v32-b1-sq1-h128,b128-sq1-h16", {"physical": True}),
     ("splits-4", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 4}),
     ("splits-8", {}, "v32-b1-sq1-h128,b1-sq1-h16", {"num_splits": 8}),

@@ -25,7 +25,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warp, warpgroup
@@ -371,24 +371,16 @@ def paired_producer_loop(
     warp_in_wg: Int32,
     n_left: cutlass.Constexpr,
     n_k_tiles: cutlass.Constexpr,
-    l2_ahead: cutlass.Constexpr = 0,
-    l2_early: cutlass.Constexpr = False,
 ):
     """The producer of :class:`PairedBlockConsumer`: block ``blk0 + 2 it`` -> buffer 0, the next
     -> buffer 1, in the halves' order the consumers free them (0L, 1R, 0R, 1L); then the four
     validity words (one per warp: buffer ``w // 2``, tokens ``32 (w % 2) ..``) and one arrival
-    each on ``bar_valid``; then the L2 warm-up of the pair ``l2_ahead`` ahead
-    (:func:`~mla_kernels.common.decode_parts.prefetch_ahead`); ``l2_early``: the pair's rows are
-    prefetched to L2 as soon as its indices are loaded, before the first wait for a free half
-    (:meth:`~mla_kernels.common.decode_parts.PagedKvGather.prefetch_loaded`)."""
+    each on ``bar_valid``."""
     for it in cutlass.range(num_iters, unroll=1):
         parity = it & 1
         blk = blk0 + 2 * it
         gather.load_indices(blk, 0)
         gather.load_indices(blk + 1, 1)
-        if const_expr(l2_early):
-            gather.prefetch_loaded(0)
-            gather.prefetch_loaded(1)
         k0l.wait_free(parity)
         gather.copy_tiles(sK0_addr, 0, 0, n_left)
         k0l.commit_cp_async()
@@ -405,7 +397,6 @@ def paired_producer_loop(
         if ptid % 32 == 0:
             sValid[warp_in_wg] = bits
             cute.arch.mbarrier_arrive(bar_valid)
-        dp.prefetch_ahead(gather, it, blk0, num_iters, l2_ahead)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -130,11 +130,6 @@ ENV_L2_PREFETCH = "MLA_KERNELS_DECODE_L2_PREFETCH"
 ENV_COMBINE = "MLA_KERNELS_DECODE_COMBINE"
 ENV_L2_POLICY = "MLA_KERNELS_DECODE_L2_POLICY"
 ENV_PARTS = "MLA_KERNELS_DECODE_PARTS"
-ENV_L2_AHEAD = "MLA_KERNELS_DECODE_L2_AHEAD"
-L2_AHEAD_VALUES = (0, 1, 2)
-#: measured slower on an H200 (docs/PERF.md: ahead 1 +5% at b 128 h 64 / h 128, +12-14% at h 16 / 32)
-DEFAULT_L2_AHEAD = 0
-ENV_L2_EARLY = "MLA_KERNELS_DECODE_L2_EARLY"
 PARTS_DTYPES = ("f32", "bf16")
 DEFAULT_PARTS = "f32"
 COMBINE_MODES = ("auto", "separate", "fused", "cluster")
@@ -360,33 +355,6 @@ def decode_knobs():
     return pdl == "1", int(pf)
 
 
-def l2_ahead() -> int:
-    """How many block pairs ahead of its copies the decode kernels' producer warms L2 with the
-    rows it will gather (``cp.async.bulk.prefetch.L2``, one per row; ``decode_parts.prefetch_ahead``),
-    read when a plan is made: ``MLA_KERNELS_DECODE_L2_AHEAD`` = ``0`` (default: none), ``1`` or
-    ``2``.  Only CTAs with more than one block pair (direct mode at large batch, few splits)
-    issue any; measured slower (docs/PERF.md), an opt-in for other GPUs / shapes."""
-    import os
-
-    v = os.environ.get(ENV_L2_AHEAD, str(DEFAULT_L2_AHEAD)).strip()
-    if v not in tuple(str(a) for a in L2_AHEAD_VALUES):
-        raise ValueError(f"{ENV_L2_AHEAD}={v!r}: expected one of 0, 1, 2")
-    return int(v)
-
-
-def l2_early() -> bool:
-    """Whether the decode kernels' producer prefetches the block pair it is about to copy to L2
-    as soon as its indices are loaded, before it waits for the consumers to free a buffer
-    (``prefetch.global.L2`` per 128-byte line, no extra loads: ``PagedKvGather.prefetch_loaded``):
-    ``MLA_KERNELS_DECODE_L2_EARLY`` = ``0`` (default) or ``1``; read when a plan is made."""
-    import os
-
-    v = os.environ.get(ENV_L2_EARLY, "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV_L2_EARLY}={v!r}: expected 0 or 1")
-    return v == "1"
-
-
 def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     """Compile the plan's kernels (through the compile cache) and make every placeholder and
     view a call needs, so that a call allocates nothing (and can be captured in a CUDA graph)."""
@@ -420,11 +388,6 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
             plan.out_parts = plan.lse_parts = plan.max_logits_parts = None
     if ef:
         kw["evict_first"] = True
-    ahead, early = l2_ahead(), l2_early()
-    if ahead:
-        kw["l2_ahead"] = ahead
-    if early:
-        kw["l2_early"] = True
     if parts == "bf16":
         kw["parts_bf16"] = True
         # the plan's workspace in the kernel's partial dtype
@@ -432,11 +395,10 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     plan.state["parts"] = parts
     if plan.h_q in NARROW_HEADS:
         kern = _compile.cached_compile(
-            ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, ahead, early, arch),
+            ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
             lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     else:
-        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, ahead,
-                                        early, arch),
+        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
                                        lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
     st = plan.state

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64
 
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -56,7 +56,6 @@ class PagedKvGather(KvGather):
         self.num_pages = self.s_kv // cutlass.max(page_size, 1)
         # block-table row of this request (0 when unused: the placeholder has one row)
         self.bt_row = Int32(cutlass.select_(use_bt, b_idx, Int32(0)))
-        self.kv_base = dev.gmem_addr_i64(mKV.iterator)
 
     def index_at(self, slot):
         pos = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
@@ -69,27 +68,6 @@ class PagedKvGather(KvGather):
         idx = Int32(cutlass.select_(self.use_bt, paged, pos))
         in_range = Boolean(cutlass.select_(self.use_bt, ok_paged, (pos >= 0) & (pos < self.s_kv)))
         return idx, in_range & (slot < self.topk_len)
-
-    def prefetch_pair(self, blk) -> None:
-        """Warm L2 with the rows of blocks ``blk`` and ``blk + 1`` (one ``cp.async.bulk.prefetch.L2``
-        of ``d_qk * 2`` bytes per row, no smem, nothing to wait for): producer thread ``t`` takes
-        row ``t % 64`` of block ``blk + t // 64``; an invalid slot (padding, past the bound or
-        ``topk_length``, out of range after translation) prefetches nothing."""
-        assert self.rows == BLOCK
-        slot = (blk + self.ptid // BLOCK) * BLOCK + self.ptid % BLOCK
-        idx, v = self.index_at(slot)
-        safe = Int64(cutlass.select_(v, idx, Int32(0)))
-        prefetch_l2_bulk(self.kv_base + safe * self.row_bytes, self.row_bytes, v)
-
-    def prefetch_loaded(self, slot_b: int) -> None:
-        """Warm L2 with the rows of the block whose indices :meth:`load_indices` put in register
-        slot ``slot_b`` (no new loads): ``prefetch.global.L2`` of each 128-byte line, line ``t``
-        of a row by the group's lane ``t % 8``; invalid slots prefetch nothing.  Called before
-        the producer waits for a free buffer, so the rows travel from HBM while it waits."""
-        lane8 = self.ptid % 8
-        for j in range(self.rows_per_thread):
-            for t in range(self.n_tiles):
-                prefetch_l2_line(self.src[slot_b, j] + Int64(t * 128), self.ok[slot_b, j] & (lane8 == (t % 8)))
 
     def copy_tiles(self, buf_addr: Int32, slot_b: int, t0: int, t1: int) -> None:
         """:meth:`KvGather.copy_tiles` with this gather's L2 prefetch size.  Decode rows are
@@ -108,23 +86,6 @@ class PagedKvGather(KvGather):
                     self.policy,
                     self.l2_prefetch,
                 )
-
-
-@cute.jit
-def prefetch_ahead(gather, it: Int32, blk0: Int32, num_iters: Int32, ahead: cutlass.Constexpr):
-    """The producer's L2 warm-up of the block pairs it will copy next (``ahead`` pairs ahead;
-    0: none), called once per pair ``it`` after that pair's copies are issued: at ``it == 0``
-    pairs ``1 .. ahead``, later pair ``it + ahead``.  Why: with two KV buffers the refill of a
-    buffer starts only when the consumers free it, and its first reader waits for it right after
-    (one pair of buffers cannot run ahead); rows already in L2 when the ``cp.async`` copies are
-    issued shorten that wait from an HBM round trip to an L2 one, and keep HBM busy meanwhile."""
-    if const_expr(ahead > 0):
-        if it == 0:
-            for d in cutlass.range_constexpr(1, ahead + 1):
-                if d < num_iters:
-                    gather.prefetch_pair(blk0 + 2 * d)
-        elif it + ahead < num_iters:
-            gather.prefetch_pair(blk0 + 2 * (it + ahead))
 
 
 @cute.jit
@@ -272,40 +233,6 @@ def cp_async_16_zfill_pf(smem_addr: Int32, gmem_addr: Int64, valid: Boolean, pol
         ],
         f"cp.async.cg.shared.global.L2::cache_hint{pf} [$0], [$1], 16, $2, $3;",
         "r,l,r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def prefetch_l2_bulk(gmem_addr: Int64, nbytes: int, valid: Boolean, *, loc=None, ip=None) -> None:
-    """``cp.async.bulk.prefetch.L2.global [gmem_addr], nbytes`` when ``valid`` (sm_90+: a hint --
-    no smem, no completion to wait for; ``gmem_addr`` 16-byte aligned, ``nbytes`` a multiple of
-    16)."""
-    assert nbytes % 16 == 0, nbytes
-    llvm.inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(cutlass.select_(valid, Int32(1), Int32(0))).ir_value(
-            loc=loc, ip=ip)],
-        "{ .reg .pred p; setp.ne.s32 p, $1, 0; "
-        f"@p cp.async.bulk.prefetch.L2.global [$0], {nbytes}; }}",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def prefetch_l2_line(gmem_addr: Int64, valid: Boolean, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L2`` of the line holding ``gmem_addr`` when ``valid`` (a hint)."""
-    llvm.inline_asm(
-        None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(cutlass.select_(valid, Int32(1), Int32(0))).ir_value(
-            loc=loc, ip=ip)],
-        "{ .reg .pred p; setp.ne.s32 p, $1, 0; @p prefetch.global.L2 [$0]; }",
-        "l,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

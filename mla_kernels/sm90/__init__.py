@@ -68,49 +68,39 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
 
 def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128,
                    fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, cluster: int = 0,
-                   cluster_bf16: bool = False, cluster_l2: bool = False, l2_ahead: int = 0,
-                   l2_early: bool = False, **kw):
+                   cluster_bf16: bool = False, cluster_l2: bool = False, **kw):
     """Compile the sm90 split decode for h_q a multiple of 64 (no GPU needed); ``fused`` (split
     only): the combine folded in; ``parts_bf16`` (split, not fused): bf16 partial outputs;
     ``cluster`` (split only: 2, 4, 8 or 16): the splits of a row merge over DSMEM as one cluster
     and the kernel writes the bf16 output (the direct mode's arguments), ``cluster_bf16``: the
     staged partials in bf16; ``cluster_l2``: the partials exchanged through the float32 workspace
-    in global memory instead (the fused kernel's arguments); ``l2_ahead``: the producer warms L2
-    with the block pair that many pairs ahead (0 none); ``l2_early``: with the pair it is about to
-    copy, as soon as its indices are loaded."""
+    in global memory instead (the fused kernel's arguments)."""
     from ..common.decode_host import compile_decode_kernel
     from .decode import SparseMlaDecodeSm90, SparseMlaDecodeSm90ClusterL2, SparseMlaDecodeSm90Fused
 
     fused = fused and split
     cluster = cluster if split and not fused else 0
     if cluster and cluster_l2:
-        kernel = SparseMlaDecodeSm90ClusterL2(d_qk, cluster, l2_prefetch=l2_prefetch, evict_first=evict_first,
-                                              l2_ahead=l2_ahead, l2_early=l2_early)
+        kernel = SparseMlaDecodeSm90ClusterL2(d_qk, cluster, l2_prefetch=l2_prefetch, evict_first=evict_first)
         return compile_decode_kernel(kernel, d_qk, h_q, True, arch, fused=True, **kw)
-    kernel = (SparseMlaDecodeSm90Fused(d_qk, l2_prefetch=l2_prefetch, evict_first=evict_first, l2_ahead=l2_ahead,
-                                       l2_early=l2_early)
-              if fused
+    kernel = (SparseMlaDecodeSm90Fused(d_qk, l2_prefetch=l2_prefetch, evict_first=evict_first) if fused
               else SparseMlaDecodeSm90(d_qk, split, l2_prefetch=l2_prefetch, evict_first=evict_first,
-                                       parts_bf16=parts_bf16, cluster=cluster, cluster_bf16=cluster_bf16,
-                                       l2_ahead=l2_ahead, l2_early=l2_early))
+                                       parts_bf16=parts_bf16, cluster=cluster, cluster_bf16=cluster_bf16))
     return compile_decode_kernel(kernel, d_qk, h_q, split and not cluster, arch, fused=fused, **kw)
 
 
 def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128,
-                          fused: bool = False, evict_first: bool = False, parts_bf16: bool = False,
-                          l2_ahead: int = 0, l2_early: bool = False, **kw):
+                          fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, **kw):
     """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed);
     ``fused`` (split only): the combine folded in; ``parts_bf16`` (split, not fused): bf16 partial
-    outputs; ``l2_ahead``: the producer's L2 warm-up distance in block pairs (0 none); ``l2_early``:
-    the pair about to be copied is prefetched once its indices are loaded."""
+    outputs."""
     from ..common.decode_host import compile_decode_kernel
     from .decode_narrow import SparseMlaDecodeNarrowSm90, SparseMlaDecodeNarrowSm90Fused
 
     fused = fused and split
-    kernel = (SparseMlaDecodeNarrowSm90Fused(d_qk, h_q, l2_prefetch=l2_prefetch, evict_first=evict_first,
-                                             l2_ahead=l2_ahead, l2_early=l2_early) if fused
+    kernel = (SparseMlaDecodeNarrowSm90Fused(d_qk, h_q, l2_prefetch=l2_prefetch, evict_first=evict_first) if fused
               else SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch, evict_first=evict_first,
-                                             parts_bf16=parts_bf16, l2_ahead=l2_ahead, l2_early=l2_early))
+                                             parts_bf16=parts_bf16))
     return compile_decode_kernel(kernel, d_qk, h_q, split, arch, fused=fused, **kw)
 
 

@@ -53,7 +53,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
 
     def __init__(self, d_qk: int, split: bool, d_v: int = 512, l2_prefetch: int = 128, fused: bool = False,
                  evict_first: bool = False, parts_bf16: bool = False, cluster: int = 0, cluster_bf16: bool = False,
-                 cluster_l2: bool = False, l2_ahead: int = 0, l2_early: bool = False):
+                 cluster_l2: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 decode supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -79,10 +79,6 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         self.f32_out = split and not self.parts_bf16 and not self.cluster_dsmem  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
-        # the producer warms L2 with the block pair this many pairs ahead (decode_parts.prefetch_ahead)
-        assert l2_ahead in (0, 1, 2), l2_ahead
-        self.l2_ahead = l2_ahead
-        self.l2_early = l2_early  # ... or the pair it is about to copy, once its indices are loaded
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -277,7 +273,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             )
             dd.paired_producer_loop(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid, k0l, k0r,
                                     k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg, warp_idx % 4, self.n_left,
-                                    self.n_k_tiles, self.l2_ahead, self.l2_early)
+                                    self.n_k_tiles)
             if const_expr(self.cluster):
                 cm.cluster_sync(False)  # the partials are staged (the producer wrote none of them)
             if const_expr(self.cluster_dsmem):
@@ -425,10 +421,8 @@ class SparseMlaDecodeSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeSm90):
     """The split kernel with the combine folded in (one launch): the contract of
     ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
 
-    def __init__(self, d_qk: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False,
-                 l2_ahead: int = 0, l2_early: bool = False):
-        super().__init__(d_qk, True, d_v, l2_prefetch, fused=True, evict_first=evict_first, l2_ahead=l2_ahead,
-                         l2_early=l2_early)
+    def __init__(self, d_qk: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
 
 
 class SparseMlaDecodeSm90ClusterL2(dd.FusedDecodeContract, SparseMlaDecodeSm90):
@@ -437,7 +431,5 @@ class SparseMlaDecodeSm90ClusterL2(dd.FusedDecodeContract, SparseMlaDecodeSm90):
     ``64 / cluster`` heads (``MLA_KERNELS_DECODE_CLUSTER_PARTS=l2``).  The fused kernel's
     contract; its counters argument is an unused placeholder."""
 
-    def __init__(self, d_qk: int, cluster: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False,
-                 l2_ahead: int = 0, l2_early: bool = False):
-        super().__init__(d_qk, True, d_v, l2_prefetch, evict_first=evict_first, cluster=cluster, cluster_l2=True,
-                         l2_ahead=l2_ahead, l2_early=l2_early)
+    def __init__(self, d_qk: int, cluster: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, True, d_v, l2_prefetch, evict_first=evict_first, cluster=cluster, cluster_l2=True)

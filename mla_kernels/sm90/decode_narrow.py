@@ -58,8 +58,7 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
     def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
-                 fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, l2_ahead: int = 0,
-                 l2_early: bool = False):
+                 fused: bool = False, evict_first: bool = False, parts_bf16: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -77,10 +76,6 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         self.f32_out = split and not self.parts_bf16  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
-        # the producer warms L2 with the block pair this many pairs ahead (decode_parts.prefetch_ahead)
-        assert l2_ahead in (0, 1, 2), l2_ahead
-        self.l2_ahead = l2_ahead
-        self.l2_early = l2_early  # ... or the pair it is about to copy, once its indices are loaded
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
         self.n_m_tiles = d_v // 64
@@ -291,9 +286,6 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
             blk = blk0 + 2 * it
             gather.load_indices(blk, 0)
             gather.load_indices(blk + 1, 1)
-            if const_expr(self.l2_early):
-                gather.prefetch_loaded(0)
-                gather.prefetch_loaded(1)
             kb0.wait_free(parity)
             gather.copy_tiles(sK0_addr, 0, 0, self.n_k_tiles)
             kb0.commit_cp_async()
@@ -308,7 +300,6 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
                     cute.arch.mbarrier_arrive(bar_valid0)
                 else:
                     cute.arch.mbarrier_arrive(bar_valid1)
-            dp.prefetch_ahead(gather, it, blk0, num_iters, self.l2_ahead)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -526,7 +517,5 @@ class SparseMlaDecodeNarrowSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeNarr
     """The split kernel with the combine folded in (one launch): the contract of
     ``common/decode_host.py`` plus ``(out, lse, max_logits, counters)`` after ``max_logits``."""
 
-    def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False,
-                 l2_ahead: int = 0, l2_early: bool = False):
-        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True, evict_first=evict_first, l2_ahead=l2_ahead,
-                         l2_early=l2_early)
+    def __init__(self, d_qk: int, h_q: int, d_v: int = 512, l2_prefetch: int = 128, evict_first: bool = False):
+        super().__init__(d_qk, h_q, True, d_v, l2_prefetch, fused=True, evict_first=evict_first)
