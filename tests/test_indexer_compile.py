@@ -291,3 +291,72 @@ def test_fixed_point_scale_edge_cases():
         assert s == 2.0 ** -126  # finite, no error (dk is meaningless with non-finite gradients)
     # 64 heads x |w| 1 x |q| 1 x 4 rows x margin 4 = 2^10 -> 2^52
     assert fixed_point_scale(q, w, torch.ones(4)).item() == 2.0 ** 52
+
+
+def test_topk_shared_memory_rows_dispatch(monkeypatch):
+    """The top-k kernel's shared-memory row variants (CPU, the host's choice): the smallest
+    ``row_cap`` that holds a block's longest row, none when every row takes all its keys or no
+    variant holds it or ``MLA_KERNELS_INDEXER_TOPK_SMEM=0``; the causal default's per-block bound
+    (the ranges given: ``s_kv``); the host's copy of the caps is the kernel module's."""
+    from types import SimpleNamespace as NS
+
+    from mla_kernels.api_indexer import make_indexer_problem
+    from mla_kernels.sm90 import indexer_host as ih
+    from mla_kernels.sm90 import indexer_topk
+
+    assert ih.TOPK_ROW_CAPS == indexer_topk.ROW_CAPS and max(ih.TOPK_ROW_CAPS) == indexer_topk.MAX_ROW_CAP
+    monkeypatch.delenv(ih.ENV_TOPK_SMEM, raising=False)
+    assert ih.topk_smem()
+    assert ih.topk_row_cap(2048, 2048) == 0  # every row takes all its keys: no smem needed
+    assert ih.topk_row_cap(2049, 2048) == 16384
+    assert ih.topk_row_cap(16384, 2048) == 16384 and ih.topk_row_cap(16385, 2048) == 32768
+    assert ih.topk_row_cap(32768, 2048) == 32768 and ih.topk_row_cap(32769, 2048) == 47104
+    assert ih.topk_row_cap(47104, 2048) == 47104 and ih.topk_row_cap(47105, 2048) == 0
+    monkeypatch.setenv(ih.ENV_TOPK_SMEM, "0")
+    assert ih.topk_row_cap(5000, 2048) == 0
+    monkeypatch.setenv(ih.ENV_TOPK_SMEM, "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        ih.topk_row_cap(5000, 2048)
+    monkeypatch.delenv(ih.ENV_TOPK_SMEM)
+
+    q, k, w = torch.zeros(100, 16, 64), torch.zeros(300, 64), torch.zeros(100, 16)
+    p = make_indexer_problem(q, k, w)
+    assert p.causal and ih.block_longest(p, 0, 32) == 232 and ih.block_longest(p, 96, 4) == 300
+    p = make_indexer_problem(q, k, w, k_end=torch.full((100,), 7))
+    assert not p.causal and ih.block_longest(p, 0, 32) == 300
+    p = make_indexer_problem(torch.zeros(300, 16, 64), torch.zeros(100, 64), torch.zeros(300, 16))
+    assert ih.block_longest(p, 0, 32) == 0 and ih.block_longest(p, 192, 32) == 24  # more queries than keys
+    # S 32k, 4096-row blocks: rows of <= 4096 ... 32768 keys
+    big = NS(causal=True, s_q=32768, s_kv=32768)
+    caps = [ih.topk_row_cap(ih.block_longest(big, q0, 4096), 2048) for q0 in range(0, 32768, 4096)]
+    assert caps == [16384] * 4 + [32768] * 4
+
+
+def test_topk_kernel_options_are_checked():
+    from mla_kernels.sm90.indexer_topk import MAX_ROW_CAP, IndexerTopkSm90
+
+    with pytest.raises(ValueError, match="row_cap"):
+        IndexerTopkSm90(False, row_cap=MAX_ROW_CAP + 32)
+    with pytest.raises(ValueError, match="row_cap"):
+        IndexerTopkSm90(False, row_cap=1000)  # not a multiple of 32
+    with pytest.raises(ValueError, match="exclude"):
+        IndexerTopkSm90(False, pre_hist=True, row_cap=16384)
+    k = IndexerTopkSm90(False, row_cap=MAX_ROW_CAP)
+    assert k.sel_words == MAX_ROW_CAP + 4 and k.row_unroll == 8
+    assert IndexerTopkSm90(False, row_cap=16384).row_unroll == 4 and IndexerTopkSm90(False).sel_words == 8192
+
+
+@pytest.mark.compile
+def test_topk_kernel_with_shared_memory_rows():
+    """The largest shared-memory row variant compiles for sm_90a within the CTA's shared memory
+    (one CTA per SM) without spills; its row pass loads 16 bytes and stores 16 bytes of keys to
+    shared memory (``LDG.E.128`` / ``STS.128``, absent from the kernel without it)."""
+    from mla_kernels.sm90.indexer_topk import MAX_ROW_CAP, compile_topk
+
+    cr = compile_report_module()
+    nvd = cr.find_nvdisasm()
+    r = cr.report_one("topk_smem", lambda a, **kw: compile_topk(False, a, row_cap=MAX_ROW_CAP, **kw), "sm_90a", nvd)
+    sass, base = _common(r)
+    assert 4 * MAX_ROW_CAP < r["smem_bytes"] <= SMEM_LIMIT
+    assert r["registers"] <= 128  # 512 threads on one SM
+    assert sass.get("STS.128", 0) >= 1 and base.get("ATOMS", 0) > 0 and base.get("HGMMA", 0) == 0

@@ -57,6 +57,15 @@ ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 #: ``0``: the top-k kernel always writes its selection by a third pass over the row (the first
 #: version) instead of from its shared selection bitmap.
 ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
+#: ``0``: the top-k kernel reads every row from global memory in each of its passes (the version
+#: before the shared-memory row path); unset / ``1`` (default): a row of at most the kernel's
+#: ``row_cap`` keys is read once into shared memory and the later passes read it there, the variant
+#: (:data:`TOPK_ROW_CAPS`) chosen per row block by :func:`topk_row_cap`.
+ENV_TOPK_SMEM = "MLA_KERNELS_INDEXER_TOPK_SMEM"
+#: ``indexer_topk.ROW_CAPS`` (repeated here so that the host side does not import the kernel
+#: module; a test checks that they agree): 16,384 keys (104 KiB of shared memory, 2 CTAs per SM
+#: as without it), 32,768 (168 KiB) and 47,104 (225 KiB; 1 CTA per SM).
+TOPK_ROW_CAPS = (16384, 32768, 47104)
 #: ``0``: the top-k kernel counts its first histogram by reading the row (the first version)
 #: instead of taking the one the score kernel counted while writing it; ``plain`` or ``pad``:
 #: that mode of the score kernel's counting (``indexer_score.HIST_MODES``) for both dtypes;
@@ -192,10 +201,10 @@ def score_pingpong() -> bool:
     return v == "1"
 
 
-def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False):
+def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False, row_cap=0):
     from .indexer_topk import compile_topk
 
-    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist)
+    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist, row_cap=row_cap)
 
 
 def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1, rotate=False):
@@ -249,15 +258,46 @@ def _score_fn(p, hist: str = ""):
                   lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist, pp, hs))
 
 
-def _topk_fn(p, return_logits: bool, pre_hist=False):
+def topk_smem() -> bool:
+    """Whether the top-k kernel may hold rows in shared memory (:data:`ENV_TOPK_SMEM`)."""
+    v = os.environ.get(ENV_TOPK_SMEM, "1").strip() or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_TOPK_SMEM}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def topk_row_cap(longest: int, topk: int) -> int:
+    """The top-k kernel's ``row_cap`` for a block whose rows have at most ``longest`` keys: the
+    smallest of :data:`TOPK_ROW_CAPS` that holds them, or 0 (every pass over the global row) when
+    none does, when no row needs a selection (``longest <= topk``: they take all their keys) or
+    when :data:`ENV_TOPK_SMEM` is ``0``."""
+    if longest <= topk or not topk_smem():
+        return 0
+    for cap in TOPK_ROW_CAPS:
+        if longest <= cap:
+            return cap
+    return 0
+
+
+def block_longest(p, q0: int, n: int) -> int:
+    """An upper bound of the keys in range of the rows ``[q0, q0 + n)``: exact for the causal
+    default (``p.causal``: ``k_end[t] = s_kv - s_q + t + 1``), else ``s_kv`` (the ranges are on the
+    device; reading them would synchronise)."""
+    if getattr(p, "causal", False):
+        return min(p.s_kv, max(0, p.s_kv - p.s_q + q0 + n))
+    return p.s_kv
+
+
+def _topk_fn(p, return_logits: bool, pre_hist=False, row_cap: int = 0):
     arch = _arch(p)
     batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
     if batch not in (1, 2, 4, 8):
         raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
     bitmap = os.environ.get(ENV_TOPK_MAP, "1").strip() != "0"
     pre_hist = bool(pre_hist)
-    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, pre_hist, arch),
-                  lambda: _compile_topk(return_logits, arch, batch, bitmap, pre_hist))
+    row_cap = 0 if pre_hist else int(row_cap)  # the fused histogram replaces the row pass that fills smem
+    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, pre_hist, row_cap, arch),
+                  lambda: _compile_topk(return_logits, arch, batch, bitmap, pre_hist, row_cap))
 
 
 def no_hist(device) -> torch.Tensor:
@@ -288,7 +328,6 @@ def run_topk(p, topk: int, return_logits: bool):
     q2, k, w_eff, ks = _score_inputs(p)
     fused = topk_hist(p)
     score = _score_fn(p, fused)
-    select = _topk_fn(p, return_logits, fused)
     indices = host.alloc((p.s_q, topk), torch.int32, dev)
     length = host.alloc((p.s_q,), torch.int32, dev)
     logits = host.alloc((p.s_q, topk), torch.float32, dev) if return_logits else host.dummy(
@@ -300,21 +339,27 @@ def run_topk(p, topk: int, return_logits: bool):
         n = min(rows, p.s_q - q0)
         block = ws[:n]
         score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist, q0, p.s_kv)
+        cap = 0 if fused else topk_row_cap(block_longest(p, q0, n), topk)
+        select = _topk_fn(p, return_logits, fused, cap)
         select(block, p.k_start, p.k_end, indices, length, logits, hist, q0)
     return (indices, length, logits) if return_logits else (indices, length)
 
 
 def select_rows(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,
-                return_logits: bool = False):
+                return_logits: bool = False, row_cap: Optional[int] = None):
     """The top-k kernel alone over a given float32 ``scores [s_q, ld]`` (row t = query t, keys
-    ``[k_start[t], k_end[t])`` int32, clamped by the caller): what ``run_topk`` does per block."""
+    ``[k_start[t], k_end[t])`` int32, clamped by the caller): what ``run_topk`` does per block.
+    ``row_cap``: the kernel variant (0: no shared-memory rows); default :func:`topk_row_cap` of
+    ``ld``."""
     dev = scores.device
     s_q = scores.shape[0]
 
     class _P:  # what the compile cache key needs
         device = dev
 
-    select = _topk_fn(_P, return_logits)
+    if row_cap is None:
+        row_cap = topk_row_cap(scores.shape[1], topk)
+    select = _topk_fn(_P, return_logits, False, row_cap)
     indices = host.alloc((s_q, topk), torch.int32, dev)
     length = host.alloc((s_q,), torch.int32, dev)
     logits = host.alloc((s_q, topk), torch.float32, dev) if return_logits else host.dummy(torch.float32, dev, (1, 1))
