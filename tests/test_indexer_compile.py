@@ -293,31 +293,45 @@ def test_fixed_point_scale_edge_cases():
     assert fixed_point_scale(q, w, torch.ones(4)).item() == 2.0 ** 52
 
 
-def test_topk_shared_memory_rows_dispatch(monkeypatch):
-    """The top-k kernel's shared-memory row variants (CPU, the host's choice): the smallest
-    ``row_cap`` that holds a block's longest row, none when every row takes all its keys or no
-    variant holds it or ``MLA_KERNELS_INDEXER_TOPK_SMEM=0``; the causal default's per-block bound
-    (the ranges given: ``s_kv``); the host's copy of the caps is the kernel module's."""
+def test_topk_select_variant_dispatch(monkeypatch):
+    """The select kernel's variant per row block (CPU, the host's choice): by the block's longest
+    row (:data:`TOPK_AUTO`), ``base`` when every row takes all its keys, no shared-memory rows with
+    ``MLA_KERNELS_INDEXER_TOPK_SMEM=0``, a forced variant by ``MLA_KERNELS_INDEXER_TOPK_VARIANT``;
+    the causal default's per-block bound (ranges given: ``s_kv``); the host's copy of the kernel's
+    largest row capacity is the kernel module's, and every variant's options are accepted."""
     from types import SimpleNamespace as NS
 
     from mla_kernels.api_indexer import make_indexer_problem
     from mla_kernels.sm90 import indexer_host as ih
     from mla_kernels.sm90 import indexer_topk
 
-    assert ih.TOPK_ROW_CAPS == indexer_topk.ROW_CAPS and max(ih.TOPK_ROW_CAPS) == indexer_topk.MAX_ROW_CAP
+    assert ih.TOPK_MAX_ROW_CAP == indexer_topk.MAX_ROW_CAP
+    for name, (cap, batch, min_ctas, words, unroll) in ih.TOPK_VARIANTS.items():
+        k = indexer_topk.IndexerTopkSm90(False, batch, True, False, cap, min_ctas, words, unroll)
+        assert k.row_cap == cap and k.map_words == words, name
+    assert all(name in ih.TOPK_VARIANTS for _, name in ih.TOPK_AUTO) and ih.TOPK_AUTO[-1][0] is None
     monkeypatch.delenv(ih.ENV_TOPK_SMEM, raising=False)
+    monkeypatch.delenv(ih.ENV_TOPK_VARIANT, raising=False)
     assert ih.topk_smem()
-    assert ih.topk_row_cap(2048, 2048) == 0  # every row takes all its keys: no smem needed
-    assert ih.topk_row_cap(2049, 2048) == 16384
-    assert ih.topk_row_cap(16384, 2048) == 16384 and ih.topk_row_cap(16385, 2048) == 32768
-    assert ih.topk_row_cap(32768, 2048) == 32768 and ih.topk_row_cap(32769, 2048) == 47104
-    assert ih.topk_row_cap(47104, 2048) == 47104 and ih.topk_row_cap(47105, 2048) == 0
+    assert ih.topk_variant(2048, 2048) == "base"  # every row takes all its keys
+    for longest in (2049, 8192, 8193, 16384, 32768, 32769, 10**6):
+        want = next(n for b, n in ih.TOPK_AUTO if b is None or longest <= b)
+        assert ih.topk_variant(longest, 2048) == want, longest
     monkeypatch.setenv(ih.ENV_TOPK_SMEM, "0")
-    assert ih.topk_row_cap(5000, 2048) == 0
+    for longest in (2049, 8192, 40000):
+        assert ih.TOPK_VARIANTS[ih.topk_variant(longest, 2048)][0] == 0
     monkeypatch.setenv(ih.ENV_TOPK_SMEM, "yes")
     with pytest.raises(ValueError, match="expected 0 or 1"):
-        ih.topk_row_cap(5000, 2048)
+        ih.topk_variant(5000, 2048)
     monkeypatch.delenv(ih.ENV_TOPK_SMEM)
+    monkeypatch.setenv(ih.ENV_TOPK_VARIANT, "s16k")
+    assert ih.topk_variant(100, 2048) == "s16k"  # forced: every block
+    monkeypatch.setenv(ih.ENV_TOPK_VARIANT, "fast")
+    with pytest.raises(ValueError, match="expected auto or one of base"):
+        ih.topk_variant(5000, 2048)
+    monkeypatch.setenv(ih.ENV_TOPK_VARIANT, "auto")
+    assert ih.topk_variant(2048, 2048) == "base"
+    monkeypatch.delenv(ih.ENV_TOPK_VARIANT)
 
     q, k, w = torch.zeros(100, 16, 64), torch.zeros(300, 64), torch.zeros(100, 16)
     p = make_indexer_problem(q, k, w)
@@ -326,10 +340,8 @@ def test_topk_shared_memory_rows_dispatch(monkeypatch):
     assert not p.causal and ih.block_longest(p, 0, 32) == 300
     p = make_indexer_problem(torch.zeros(300, 16, 64), torch.zeros(100, 64), torch.zeros(300, 16))
     assert ih.block_longest(p, 0, 32) == 0 and ih.block_longest(p, 192, 32) == 24  # more queries than keys
-    # S 32k, 4096-row blocks: rows of <= 4096 ... 32768 keys
-    big = NS(causal=True, s_q=32768, s_kv=32768)
-    caps = [ih.topk_row_cap(ih.block_longest(big, q0, 4096), 2048) for q0 in range(0, 32768, 4096)]
-    assert caps == [16384] * 4 + [32768] * 4
+    big = NS(causal=True, s_q=32768, s_kv=32768)  # S 32k, 4096-row blocks: rows of <= 4096 ... 32768 keys
+    assert [ih.block_longest(big, q0, 4096) for q0 in range(0, 32768, 4096)] == list(range(4096, 32769, 4096))
 
 
 def test_topk_kernel_options_are_checked():
@@ -341,16 +353,26 @@ def test_topk_kernel_options_are_checked():
         IndexerTopkSm90(False, row_cap=1000)  # not a multiple of 32
     with pytest.raises(ValueError, match="exclude"):
         IndexerTopkSm90(False, pre_hist=True, row_cap=16384)
+    with pytest.raises(ValueError, match="min_ctas"):
+        IndexerTopkSm90(False, min_ctas=5)
+    with pytest.raises(ValueError, match="map_words"):
+        IndexerTopkSm90(False, map_words=1022)
     k = IndexerTopkSm90(False, row_cap=MAX_ROW_CAP)
     assert k.sel_words == MAX_ROW_CAP + 4 and k.row_unroll == 8
     assert IndexerTopkSm90(False, row_cap=16384).row_unroll == 4 and IndexerTopkSm90(False).sel_words == 8192
+    assert IndexerTopkSm90(False, map_words=1024).sel_words == 1024
+    assert IndexerTopkSm90(False, row_cap=8192, map_words=1024, row_unroll=2).sel_words == 8196
+    assert IndexerTopkSm90(False, min_ctas=3)._occupancy() == dict(min_blocks_per_mp=3, preferred_smem_carveout=100)
+    assert IndexerTopkSm90(False)._occupancy() == {}
 
 
 @pytest.mark.compile
 def test_topk_kernel_with_shared_memory_rows():
     """The largest shared-memory row variant compiles for sm_90a within the CTA's shared memory
-    (one CTA per SM) without spills; its row pass loads 16 bytes and stores 16 bytes of keys to
-    shared memory (``LDG.E.128`` / ``STS.128``, absent from the kernel without it)."""
+    (one CTA per SM) without spills; its row pass stores 16 bytes of keys to shared memory
+    (``STS.128``).  The ``s8k`` variant (the default for rows of <= 8,192 keys) fits three CTAs per
+    SM: at most 40 registers, no spills, 3 x its shared memory within an SM's 228 KiB."""
+    from mla_kernels.sm90 import indexer_host as ih
     from mla_kernels.sm90.indexer_topk import MAX_ROW_CAP, compile_topk
 
     cr = compile_report_module()
@@ -360,3 +382,9 @@ def test_topk_kernel_with_shared_memory_rows():
     assert 4 * MAX_ROW_CAP < r["smem_bytes"] <= SMEM_LIMIT
     assert r["registers"] <= 128  # 512 threads on one SM
     assert sass.get("STS.128", 0) >= 1 and base.get("ATOMS", 0) > 0 and base.get("HGMMA", 0) == 0
+    cap, batch, min_ctas, words, unroll = ih.TOPK_VARIANTS["s8k"]
+    r = cr.report_one("topk_s8k", lambda a, **kw: compile_topk(False, a, batch=batch, row_cap=cap, min_ctas=min_ctas,
+                                                                map_words=words, row_unroll=unroll, **kw),
+                      "sm_90a", nvd)
+    _common(r)
+    assert r["registers"] <= 40 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024

@@ -44,6 +44,7 @@ ENV_TOPK_CASES = {
     "topk_nopp": ("MLA_KERNELS_INDEXER_SCORE_PINGPONG", [("0", "_nopp")]),
     "hist_modes": ("MLA_KERNELS_INDEXER_TOPK_HIST", [(m, f"_hist{m}") for m in ("0", "plain", "pad")]),
     "topk_nosmem": ("MLA_KERNELS_INDEXER_TOPK_SMEM", [("0", "_nosmem")]),
+    "topk_base": ("MLA_KERNELS_INDEXER_TOPK_VARIANT", [("base", "_vbase")]),
 }
 
 
@@ -74,8 +75,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "warpgroups take turns issuing their MMAs), topk_packed (MLA_KERNELS_INDEXER_SCORE_HEADSUM="
                          "bf16x2: the head sum in packed bf16, with its logits / top-k differences to the float32 "
                          "head sum); score_profile also times _pp and _bf16x2sum copies; topk_nosmem (both top-k rows "
-                         "with MLA_KERNELS_INDEXER_TOPK_SMEM=0: every select pass over the global row, the version "
-                         "before the shared-memory rows)")
+                         "with MLA_KERNELS_INDEXER_TOPK_SMEM=0: no select variant with rows in shared memory), topk_base "
+                         "(both top-k rows with MLA_KERNELS_INDEXER_TOPK_VARIANT=base: the select kernel before its "
+                         "variants, every block))")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -148,10 +150,11 @@ def _row(rows, case, backend, S, topk, med, times, flop=None, peak=None, note=""
 def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
     """The two kernels of ``indexer_topk`` timed apart over all row blocks: the score kernel into
     the workspace, and the select kernel over a workspace of real scores (every block's, as the
-    score kernel wrote them).  Select rows: the default (rows held in shared memory where a
-    ``row_cap`` variant holds the block's longest row), ``_nosmem`` (every pass over the global
-    row: the version before), ``_hist<mode>`` (the fused first histogram), and per row block
-    (``_blk<i>``) the select of that block alone with each variant that holds its rows."""
+    score kernel wrote them).  Select rows: the default (each block's variant by
+    ``indexer_host.topk_variant``), ``_hist<mode>`` (the fused first histogram), ``_v<name>``
+    (every block with select variant ``name`` of ``indexer_host.TOPK_VARIANTS``; ``_vbase`` is
+    the version before the variants), and per row block (``_blk<i>_<name>``) that block's select
+    alone with each variant; a warning if any path chose other keys than the default."""
     from mla_kernels.api_indexer import make_indexer_problem
     from mla_kernels.common import host
     from mla_kernels.sm90 import indexer_host as ih
@@ -169,20 +172,18 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
     q2, k, w_eff, ks = ins[0]
     p = probs[0]
     blocks = [(q0, min(rows, S - q0)) for q0 in range(0, S, rows)]
-
-    def caps(smem):
-        return [ih.topk_row_cap(ih.block_longest(p, q0, n), TOPK) if smem else 0 for q0, n in blocks]
-
-    # (fused histogram mode, shared-memory rows, row tag): the default first, then the others
-    configs = [(ih.topk_hist(p), ih.topk_smem(), ""), ("", False, "_nosmem")]
+    auto = [ih.topk_variant(ih.block_longest(p, q0, n), TOPK) for q0, n in blocks]
+    # (fused histogram mode, per-block variants, row tag): the default first
+    configs = [(ih.topk_hist(p), auto, "")]
     if S < 65536:
-        configs.append(("pad", False, "_histpad"))
+        configs.append(("pad", ["base"] * len(blocks), "_histpad"))
+    configs += [("", [name] * len(blocks), f"_v{name}") for name in ih.TOPK_VARIANTS]
     timed_scores = set()
     picks = {}
-    for fused, smem, tag in configs:
+    for fused, variants, tag in configs:
         score = ih._score_fn(p, fused)
         hb = hist if fused else ih.no_hist("cuda")
-        sel = [ih._topk_fn(p, False, fused, 0 if fused else c) for c in caps(smem)]
+        sel = [ih._topk_fn(p, False, fused, v) for v in variants]
 
         def f_score(i, score=score, hb=hb, fused=fused):
             for q0, n in blocks:
@@ -198,28 +199,26 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
             _row(out, "topk_part_scores" + (f"_hist{fused}" if fused else ""), "ours", S, TOPK, med, ts, fl_scores)
         else:
             f_score(0)  # this config's scores (and histograms) in the workspace
+        idx.fill_(-7)
         med, ts = _time(f_select, 1, args.warmup, args.reps)
         _row(out, "topk_part_select" + tag, "ours", S, TOPK, med, ts, None, None,
-             f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s; row caps {caps(smem) if not fused else 'none'}")
+             f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s; variants {','.join(variants)}")
         picks[tag] = (idx.clone(), ln.clone())
     for tag, (a, b) in picks.items():  # every select path chose the same keys
         if not (torch.equal(a, picks[""][0]) and torch.equal(b, picks[""][1])):
             print(f"  WARNING: select{tag} chose different keys than the default select", flush=True)
-    # per block: the default scores in the workspace, each block's select with each variant
-    f0 = ih._score_fn(p, "")
-    for q0, n in blocks:
-        f0(q2, k, w_eff, ks, p.k_start, p.k_end, ws[q0: q0 + n], ih.no_hist("cuda"), q0, S)
+    # per block: each block's select alone with each variant (the workspace holds the default scores)
     for b, (q0, n) in enumerate(blocks):
         longest = ih.block_longest(p, q0, n)
-        for cap in [0] + [c for c in ih.TOPK_ROW_CAPS if c >= longest and longest > TOPK]:
-            select = ih._topk_fn(p, False, "", cap)
+        for name in ih.TOPK_VARIANTS:
+            select = ih._topk_fn(p, False, "", name)
 
             def f_blk(i, select=select, q0=q0, n=n):
                 select(ws[q0: q0 + n], p.k_start, p.k_end, idx, ln, dummy, ih.no_hist("cuda"), q0)
 
             med, ts = _time(f_blk, 1, args.warmup, args.reps)
-            _row(out, f"topk_part_select_blk{b}_cap{cap}", "ours", S, TOPK, med, ts, None, None,
-                 f"rows {q0}..{q0 + n - 1}, <= {longest} keys")
+            _row(out, f"topk_part_select_blk{b}_{name}", "ours", S, TOPK, med, ts, None, None,
+                 f"rows {q0}..{q0 + n - 1}, <= {longest} keys{' (auto)' if name == auto[b] else ''}")
     del ws, hist
 
 

@@ -34,9 +34,9 @@ one word of a shared selection bitmap; the refined candidates at or above the th
 or-ed in; the selection is then written from the bitmap (per-thread word ranges, popcounts, a
 block prefix sum) -- no third read of the row.
 
-With ``row_cap`` (default in ``indexer_host``: :data:`ROW_CAPS` by the block's longest possible row)
-a row of ``n <= row_cap`` keys is read from global memory ONCE: pass 1 loads it with 16-byte loads
-(:data:`row_unroll` of them in flight per thread), histograms it and stores its order-preserving
+With ``row_cap`` (``indexer_host.TOPK_VARIANTS``, chosen per row block by its longest row) a row
+of ``n <= row_cap`` keys is read from global memory ONCE: pass 1 loads it with 16-byte loads
+(``row_unroll`` of them in flight per thread), histograms it and stores its order-preserving
 uint32 keys into shared memory (the bitmap's region, grown to ``row_cap + 4`` words; ``bitmap``
 is not used for such a row); passes 2, any refinement over the row (heavy ties), the segment
 counts and the write then read the keys from shared memory (the selected logits are read back
@@ -44,6 +44,10 @@ from the global row: ``topk`` loads).  Rows longer than ``row_cap`` take the glo
 the same kernel.  Shared memory: ``40 KiB + 4 (row_cap + 4)`` bytes -- 104 KiB at 16,384 keys (2
 CTAs per SM, as the 42-register kernel without it), 168 KiB at 32,768 and 225 KiB at
 :data:`MAX_ROW_CAP` (1 CTA per SM).
+
+Occupancy options: ``min_ctas`` bounds the registers so that that many CTAs fit on an SM
+(``.minnctapersm``), ``map_words`` sizes the bitmap (rows of more than ``32 map_words`` keys are
+written by the third pass), ``batch`` / ``row_unroll`` set the loads in flight per thread.
 """
 
 from __future__ import annotations
@@ -71,8 +75,6 @@ MAP_BITS = 32 * MAP_WORDS
 #: Largest ``row_cap`` (keys of a row held in shared memory): the rest of the storage is ~40 KiB of
 #: the 227 KiB a CTA may have.
 MAX_ROW_CAP = 47104
-#: The ``row_cap`` variants the host chooses from (the smallest that holds the block's longest row).
-ROW_CAPS = (16384, 32768, MAX_ROW_CAP)
 
 
 class IndexerTopkSm90:
@@ -80,7 +82,7 @@ class IndexerTopkSm90:
     keys whose loads are issued together in the ordered passes) + launcher + kernel."""
 
     def __init__(self, return_logits: bool, batch: int = 4, bitmap: bool = True, pre_hist: bool = False,
-                 row_cap: int = 0):
+                 row_cap: int = 0, min_ctas: int = 0, map_words: int = MAP_WORDS, row_unroll: int = 0):
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         if not 0 <= row_cap <= MAX_ROW_CAP or row_cap % 32:
@@ -91,12 +93,20 @@ class IndexerTopkSm90:
         self.batch = batch
         self.bitmap = bitmap
         self.pre_hist = pre_hist
+        if min_ctas not in (0, 1, 2, 3, 4):
+            raise ValueError(f"min_ctas must be 0 (no bound), 1, 2, 3 or 4, got {min_ctas}")
+        if not 32 <= map_words <= MAP_WORDS or map_words % 4:
+            raise ValueError(f"map_words must be a multiple of 4 in [32, {MAP_WORDS}], got {map_words}")
         self.row_cap = row_cap
+        #: CTAs per SM the registers must allow (ptxas ``.minnctapersm``; 0: no bound)
+        self.min_ctas = min_ctas
+        #: words of the selection bitmap: rows of at most ``32 map_words`` keys are written from it
+        self.map_words = map_words
         #: 16-byte loads per thread in flight in the shared-memory row path's load (more where one
         #: CTA holds the SM)
-        self.row_unroll = 8 if row_cap > 16384 else 4
+        self.row_unroll = row_unroll or (8 if row_cap > 16384 else 4)
         #: 32-bit words of the shared region of the bitmap and the row's keys
-        self.sel_words = max(MAP_WORDS if bitmap else 4, row_cap + 4 if row_cap else 0)
+        self.sel_words = max(map_words if bitmap else 4, row_cap + 4 if row_cap else 0)
         self.smem_bytes = 0
 
     @cute.jit
@@ -126,8 +136,15 @@ class IndexerTopkSm90:
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= 232448, f"smem {self.smem_bytes} > 232448"
         self.kernel(mScores, mStart, mEnd, mIdx, mLen, mLogits, mHist, q0, SharedStorage).launch(
-            grid=[mScores.shape[0], 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream
+            grid=[mScores.shape[0], 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
+            **self._occupancy()
         )
+
+    def _occupancy(self):
+        """Launch options of ``min_ctas`` (the carveout given, so that no device is queried)."""
+        if not self.min_ctas:
+            return {}
+        return dict(min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mStart: cute.Tensor, mEnd: cute.Tensor, mIdx: cute.Tensor,
@@ -266,7 +283,7 @@ class IndexerTopkSm90:
         done = cnt == need
         done1 = done
         use_cand = (cnt <= CAP) & (cnt != need)
-        map_ok = n <= Int32(MAP_BITS if use_map else -1)  # never without the bitmap
+        map_ok = n <= Int32(32 * self.map_words if use_map else -1)  # never without the bitmap
 
         # -- pass 2: per-segment counts above / in bin b1; bin b1's keys to smem ---------------
         lt = cute.arch.lanemask_lt()
@@ -557,14 +574,15 @@ class IndexerTopkSm90:
 
 
 def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, bitmap: bool = True,
-                 pre_hist: bool = False, row_cap: int = 0, **kw):
+                 pre_hist: bool = False, row_cap: int = 0, min_ctas: int = 0, map_words: int = MAP_WORDS,
+                 row_unroll: int = 0, **kw):
     """Compile the top-k kernel (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     rows, ld, s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(7))
     topk, topk2, h_rows, h_cols = (cute.sym_int() for _ in range(4))
-    kernel = IndexerTopkSm90(return_logits, batch, bitmap, pre_hist, row_cap)
+    kernel = IndexerTopkSm90(return_logits, batch, bitmap, pre_hist, row_cap, min_ctas, map_words, row_unroll)
     args = (
         host.fake(Float32, (rows, ld), align=4),
         host.fake(Int32, (s_q,), align=4),
