@@ -371,7 +371,8 @@ def test_topk_kernel_with_shared_memory_rows():
     """The largest shared-memory row variant compiles for sm_90a within the CTA's shared memory
     (one CTA per SM) without spills; its row pass stores 16 bytes of keys to shared memory
     (``STS.128``).  The ``s8k`` variant (the default for rows of <= 8,192 keys) fits three CTAs per
-    SM: at most 40 registers, no spills, 3 x its shared memory within an SM's 228 KiB."""
+    SM: at most 40 registers, no spills, 3 x its shared memory within an SM's 228 KiB; ``b4m3``
+    (the default for longer rows) too, with at most 64 bytes of spills."""
     from mla_kernels.sm90 import indexer_host as ih
     from mla_kernels.sm90.indexer_topk import MAX_ROW_CAP, compile_topk
 
@@ -388,3 +389,8 @@ def test_topk_kernel_with_shared_memory_rows():
                       "sm_90a", nvd)
     _common(r)
     assert r["registers"] <= 40 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024
+    # b4m3 (the default for longer rows): bounded to 40 registers for 3 CTAs per SM (a few spills)
+    cap, batch, min_ctas, words, unroll = ih.TOPK_VARIANTS["b4m3"]
+    r = cr.report_one("topk_b4m3", lambda a, **kw: compile_topk(False, a, batch=batch, min_ctas=min_ctas,
+                                                                 map_words=words, **kw), "sm_90a", nvd)
+    assert r["registers"] <= 40 and r["spill_bytes"] <= 64 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024

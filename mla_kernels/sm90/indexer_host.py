@@ -9,7 +9,9 @@ launches.
   kernel also counts each row's first-digit histogram (``[rows, 2048]`` int32 beside the
   workspace, 8 KiB per row: 32 MiB at 4096 rows) and the top-k kernel starts from it instead of
   reading the row once more -- an option (:data:`ENV_TOPK_HIST`), off by default: it measured
-  slower for bf16 and even for fp8 on an H200 (docs/PERF.md).
+  slower for bf16 and even for fp8 on an H200 (docs/PERF.md).  The select kernel's variant
+  (:data:`TOPK_VARIANTS`: rows held in shared memory, CTAs per SM) is chosen per row block by the
+  block's longest row (:func:`topk_variant`).
 * ``indexer_logits``: the score kernel into the caller's ``[s_q, s_kv]`` output, pre-filled with
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
@@ -93,8 +95,12 @@ ENV_TOPK_VARIANT = "MLA_KERNELS_INDEXER_TOPK_VARIANT"
 #: ``0``: :func:`topk_variant` never chooses a variant with rows in shared memory.
 ENV_TOPK_SMEM = "MLA_KERNELS_INDEXER_TOPK_SMEM"
 #: :func:`topk_variant`'s choice by the longest row of the block: ``(longest <= bound, name)``,
-#: the first that holds (the rows that need a selection, ``longest > topk``).
-TOPK_AUTO = ((8192, "s8k"), (32768, "b2m4"), (None, "b2"))
+#: the first that holds (the rows that need a selection, ``longest > topk``).  From the per-block
+#: select times of every variant on an H200 at S 32k (docs/PERF.md, 2026-11-23): ``s8k`` was the
+#: fastest for the blocks of <= 8,192 keys (0.066 / 0.151 ms vs ``base`` 0.095 / 0.191), ``b4m3``
+#: for every longer block (e.g. 0.424 vs 0.453 ms at <= 32,768 keys); ``b2m4`` / ``b1m4`` (4 CTAs
+#: per SM) and ``s16k`` were no faster, ``s32k`` / ``s47k`` (1 CTA per SM) 1.5x slower.
+TOPK_AUTO = ((8192, "s8k"), (None, "b4m3"))
 #: ``0``: the top-k kernel counts its first histogram by reading the row (the first version)
 #: instead of taking the one the score kernel counted while writing it; ``plain`` or ``pad``:
 #: that mode of the score kernel's counting (``indexer_score.HIST_MODES``) for both dtypes;
