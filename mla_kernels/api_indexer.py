@@ -136,6 +136,7 @@ def make_indexer_problem(q_idx, k_idx, weights, *, sm_scale=1.0, k_start=None, k
         q_scale=qs,
         k_scale=kscale,
         k_shape=k_idx.shape,
+        causal=ks is None and ke is None,
     )
 
 

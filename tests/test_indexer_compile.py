@@ -291,3 +291,106 @@ def test_fixed_point_scale_edge_cases():
         assert s == 2.0 ** -126  # finite, no error (dk is meaningless with non-finite gradients)
     # 64 heads x |w| 1 x |q| 1 x 4 rows x margin 4 = 2^10 -> 2^52
     assert fixed_point_scale(q, w, torch.ones(4)).item() == 2.0 ** 52
+
+
+def test_topk_select_variant_dispatch(monkeypatch):
+    """The select kernel's variant per row block (CPU, the host's choice): by the block's longest
+    row (:data:`TOPK_AUTO`), ``base`` when every row takes all its keys, no shared-memory rows with
+    ``MLA_KERNELS_INDEXER_TOPK_SMEM=0``, a forced variant by ``MLA_KERNELS_INDEXER_TOPK_VARIANT``;
+    the causal default's per-block bound (ranges given: ``s_kv``); the host's copy of the kernel's
+    largest row capacity is the kernel module's, and every variant's options are accepted."""
+    from types import SimpleNamespace as NS
+
+    from mla_kernels.api_indexer import make_indexer_problem
+    from mla_kernels.sm90 import indexer_host as ih
+    from mla_kernels.sm90 import indexer_topk
+
+    assert ih.TOPK_MAX_ROW_CAP == indexer_topk.MAX_ROW_CAP
+    for name, (cap, batch, min_ctas, words, unroll) in ih.TOPK_VARIANTS.items():
+        k = indexer_topk.IndexerTopkSm90(False, batch, True, False, cap, min_ctas, words, unroll)
+        assert k.row_cap == cap and k.map_words == words, name
+    assert all(name in ih.TOPK_VARIANTS for _, name in ih.TOPK_AUTO) and ih.TOPK_AUTO[-1][0] is None
+    monkeypatch.delenv(ih.ENV_TOPK_SMEM, raising=False)
+    monkeypatch.delenv(ih.ENV_TOPK_VARIANT, raising=False)
+    assert ih.topk_smem()
+    assert ih.topk_variant(2048, 2048) == "base"  # every row takes all its keys
+    for longest in (2049, 8192, 8193, 16384, 32768, 32769, 10**6):
+        want = next(n for b, n in ih.TOPK_AUTO if b is None or longest <= b)
+        assert ih.topk_variant(longest, 2048) == want, longest
+    monkeypatch.setenv(ih.ENV_TOPK_SMEM, "0")
+    for longest in (2049, 8192, 40000):
+        assert ih.TOPK_VARIANTS[ih.topk_variant(longest, 2048)][0] == 0
+    monkeypatch.setenv(ih.ENV_TOPK_SMEM, "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        ih.topk_variant(5000, 2048)
+    monkeypatch.delenv(ih.ENV_TOPK_SMEM)
+    monkeypatch.setenv(ih.ENV_TOPK_VARIANT, "s16k")
+    assert ih.topk_variant(100, 2048) == "s16k"  # forced: every block
+    monkeypatch.setenv(ih.ENV_TOPK_VARIANT, "fast")
+    with pytest.raises(ValueError, match="expected auto or one of base"):
+        ih.topk_variant(5000, 2048)
+    monkeypatch.setenv(ih.ENV_TOPK_VARIANT, "auto")
+    assert ih.topk_variant(2048, 2048) == "base"
+    monkeypatch.delenv(ih.ENV_TOPK_VARIANT)
+
+    q, k, w = torch.zeros(100, 16, 64), torch.zeros(300, 64), torch.zeros(100, 16)
+    p = make_indexer_problem(q, k, w)
+    assert p.causal and ih.block_longest(p, 0, 32) == 232 and ih.block_longest(p, 96, 4) == 300
+    p = make_indexer_problem(q, k, w, k_end=torch.full((100,), 7))
+    assert not p.causal and ih.block_longest(p, 0, 32) == 300
+    p = make_indexer_problem(torch.zeros(300, 16, 64), torch.zeros(100, 64), torch.zeros(300, 16))
+    assert ih.block_longest(p, 0, 32) == 0 and ih.block_longest(p, 192, 32) == 24  # more queries than keys
+    big = NS(causal=True, s_q=32768, s_kv=32768)  # S 32k, 4096-row blocks: rows of <= 4096 ... 32768 keys
+    assert [ih.block_longest(big, q0, 4096) for q0 in range(0, 32768, 4096)] == list(range(4096, 32769, 4096))
+
+
+def test_topk_kernel_options_are_checked():
+    from mla_kernels.sm90.indexer_topk import MAX_ROW_CAP, IndexerTopkSm90
+
+    with pytest.raises(ValueError, match="row_cap"):
+        IndexerTopkSm90(False, row_cap=MAX_ROW_CAP + 32)
+    with pytest.raises(ValueError, match="row_cap"):
+        IndexerTopkSm90(False, row_cap=1000)  # not a multiple of 32
+    with pytest.raises(ValueError, match="exclude"):
+        IndexerTopkSm90(False, pre_hist=True, row_cap=16384)
+    with pytest.raises(ValueError, match="min_ctas"):
+        IndexerTopkSm90(False, min_ctas=5)
+    with pytest.raises(ValueError, match="map_words"):
+        IndexerTopkSm90(False, map_words=1022)
+    k = IndexerTopkSm90(False, row_cap=MAX_ROW_CAP)
+    assert k.sel_words == MAX_ROW_CAP + 4 and k.row_unroll == 8
+    assert IndexerTopkSm90(False, row_cap=16384).row_unroll == 4 and IndexerTopkSm90(False).sel_words == 8192
+    assert IndexerTopkSm90(False, map_words=1024).sel_words == 1024
+    assert IndexerTopkSm90(False, row_cap=8192, map_words=1024, row_unroll=2).sel_words == 8196
+    assert IndexerTopkSm90(False, min_ctas=3)._occupancy() == dict(min_blocks_per_mp=3, preferred_smem_carveout=100)
+    assert IndexerTopkSm90(False)._occupancy() == {}
+
+
+@pytest.mark.compile
+def test_topk_kernel_with_shared_memory_rows():
+    """The largest shared-memory row variant compiles for sm_90a within the CTA's shared memory
+    (one CTA per SM) without spills; its row pass stores 16 bytes of keys to shared memory
+    (``STS.128``).  The ``s8k`` variant (the default for rows of <= 8,192 keys) fits three CTAs per
+    SM: at most 40 registers, no spills, 3 x its shared memory within an SM's 228 KiB; ``b4m3``
+    (the default for longer rows) too, with at most 64 bytes of spills."""
+    from mla_kernels.sm90 import indexer_host as ih
+    from mla_kernels.sm90.indexer_topk import MAX_ROW_CAP, compile_topk
+
+    cr = compile_report_module()
+    nvd = cr.find_nvdisasm()
+    r = cr.report_one("topk_smem", lambda a, **kw: compile_topk(False, a, row_cap=MAX_ROW_CAP, **kw), "sm_90a", nvd)
+    sass, base = _common(r)
+    assert 4 * MAX_ROW_CAP < r["smem_bytes"] <= SMEM_LIMIT
+    assert r["registers"] <= 128  # 512 threads on one SM
+    assert sass.get("STS.128", 0) >= 1 and base.get("ATOMS", 0) > 0 and base.get("HGMMA", 0) == 0
+    cap, batch, min_ctas, words, unroll = ih.TOPK_VARIANTS["s8k"]
+    r = cr.report_one("topk_s8k", lambda a, **kw: compile_topk(False, a, batch=batch, row_cap=cap, min_ctas=min_ctas,
+                                                                map_words=words, row_unroll=unroll, **kw),
+                      "sm_90a", nvd)
+    _common(r)
+    assert r["registers"] <= 40 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024
+    # b4m3 (the default for longer rows): bounded to 40 registers for 3 CTAs per SM (a few spills)
+    cap, batch, min_ctas, words, unroll = ih.TOPK_VARIANTS["b4m3"]
+    r = cr.report_one("topk_b4m3", lambda a, **kw: compile_topk(False, a, batch=batch, min_ctas=min_ctas,
+                                                                 map_words=words, **kw), "sm_90a", nvd)
+    assert r["registers"] <= 40 and r["spill_bytes"] <= 64 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024

@@ -137,11 +137,13 @@ def naive_select(scores, start, end, topk):
     return idx, ln
 
 
-@pytest.mark.parametrize("tmap", ["1", "0"])
+@pytest.mark.parametrize("tmap,variant", [("1", None), ("1", "base"), ("0", "base")])
 @pytest.mark.parametrize("topk", [1, 7, 64, 300])
-def test_topk_kernel_adversarial_rows(topk, tmap, monkeypatch):
+def test_topk_kernel_adversarial_rows(topk, tmap, variant, monkeypatch):
     """The top-k kernel alone on rows with ties, NaN, +-0, +-inf and rows shorter than topk
-    (selection written from the bitmap where it applies, or always by the third pass)."""
+    (``variant`` None: the default for the row length, rows held in shared memory; ``base``:
+    every pass over the global row, the selection written from the bitmap where it applies, or
+    always by the third pass)."""
     from mla_kernels.sm90 import indexer_host
 
     monkeypatch.setenv(indexer_host.ENV_TOPK_MAP, tmap)
@@ -168,7 +170,7 @@ def test_topk_kernel_adversarial_rows(topk, tmap, monkeypatch):
     sc[11] = 1.0
     sc[11, 3 : 3 + topk] = 1000.0  # the threshold bin of the first digit is taken whole
     start[11], end[11] = 0, ld
-    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
+    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True, variant=variant)
     torch.cuda.synchronize()
     want_idx, want_len = naive_select(sc, start, end, topk)
     assert torch.equal(ln.cpu(), want_len)
@@ -180,11 +182,12 @@ def test_topk_kernel_adversarial_rows(topk, tmap, monkeypatch):
     assert torch.equal(lg.cpu()[nn], want_lg[nn])
 
 
-@pytest.mark.parametrize("tmap", ["1", "0"])
+@pytest.mark.parametrize("tmap,variant", [("1", None), ("1", "base"), ("0", "base")])
 @pytest.mark.parametrize("topk", [100, 3000, 5000])
-def test_topk_kernel_long_rows_heavy_ties(topk, tmap, monkeypatch):
+def test_topk_kernel_long_rows_heavy_ties(topk, tmap, variant, monkeypatch):
     """Rows longer than the shared candidate buffer whose threshold bin overflows it (all equal,
-    few distinct values) and ones that fit, through the top-k kernel alone."""
+    few distinct values) and ones that fit, through the top-k kernel alone (``variant`` as in
+    :func:`test_topk_kernel_adversarial_rows`)."""
     from mla_kernels.sm90 import indexer_host
 
     monkeypatch.setenv(indexer_host.ENV_TOPK_MAP, tmap)
@@ -201,11 +204,123 @@ def test_topk_kernel_long_rows_heavy_ties(topk, tmap, monkeypatch):
     end = torch.full((s_q,), ld)
     start[5], end[5] = 3, ld - 7  # unaligned head and tail
     start[6], end[6] = 1, 9999
-    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True)
+    idx, ln, lg = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True, variant=variant)
     torch.cuda.synchronize()
     want_idx, want_len = naive_select(sc, start, end, topk)
     assert torch.equal(ln.cpu(), want_len)
     assert torch.equal(idx.cpu(), want_idx)
+
+
+def sorted_select(sc, start, end, topk):
+    """:func:`naive_select` by a stable sort (long rows): ``(indices, lengths)``."""
+    x = torch.nan_to_num(sc.double(), nan=-math.inf)
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    idx = torch.full((sc.shape[0], topk), -1, dtype=torch.int32)
+    ln = torch.zeros(sc.shape[0], dtype=torch.int32)
+    for t in range(sc.shape[0]):
+        a, b = int(start[t]), int(end[t])
+        if b <= a:
+            continue
+        order = torch.sort(-x[t, a:b], stable=True).indices[:topk]
+        chosen = torch.sort(order + a).values.int()
+        idx[t, : len(chosen)] = chosen
+        ln[t] = len(chosen)
+    return idx, ln
+
+
+def assert_same_selection(got, want_idx, want_len, sc):
+    idx, ln, lg = (x.cpu() for x in got)
+    assert torch.equal(ln, want_len)
+    assert torch.equal(idx, want_idx)
+    safe = want_idx.clamp_min(0).long()
+    want_lg = torch.where(want_idx >= 0, sc.gather(1, safe), torch.full(safe.shape, -math.inf))
+    assert torch.equal(torch.isnan(lg), torch.isnan(want_lg))
+    nn = ~torch.isnan(want_lg)
+    assert torch.equal(lg[nn], want_lg[nn])
+
+
+SELECT_VARIANTS = ["base", "b2", "b4m3", "b2m4", "b1m4", "s8k", "s16k", "s32k", "s47k", (4096, 4, 0, 8192, 0)]
+
+
+@pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=str)
+def test_topk_select_variants_at_their_limits(variant):
+    """Every select variant (``indexer_host.TOPK_VARIANTS``, and a 4,096-key shared-memory one):
+    rows of ``cap - 1``, ``cap`` (held in shared memory, at each misalignment of the row in its
+    16 bytes) and ``cap + 1`` keys (the global path in the same launch), rows at the bitmap's
+    limit +-1, heavy ties (a threshold bin over the candidate buffer: refined by passes over the
+    row, in shared memory where it is held; few distinct values: candidates; more ties than
+    needed), NaN / +-0 / +-inf, a first-digit bin taken whole, rows of topk + 1, topk and no keys
+    -- exactly the definition's selection (indices, lengths, logits), with topk 300 and 2048."""
+    from mla_kernels.sm90 import indexer_host
+
+    spec = indexer_host.TOPK_VARIANTS[variant] if isinstance(variant, str) else variant
+    cap, map_bits = spec[0] or 8192, 32 * spec[3]
+    ld = max(cap, map_bits if map_bits <= 32768 else 0) + 40
+    for topk in (300, 2048):
+        g = torch.Generator().manual_seed(cap + topk)
+        sc = torch.randn(19, ld, generator=g)
+        sc[7] = 0.0  # one bin of cap keys > the 4096 candidates
+        sc[8] = torch.randint(0, 3, (ld,), generator=g).float()
+        sc[9] = torch.randint(-50, 50, (ld,), generator=g).float() * 0.25
+        sc[10, ::5] = float("nan")
+        sc[10, 1::5] = -0.0
+        sc[10, 2::5] = 0.0
+        sc[10, 3::11] = float("inf")
+        sc[10, 4::13] = float("-inf")
+        sc[11] = 1.0
+        sc[11, 100: 100 + topk] = 1000.0  # the first digit's threshold bin taken whole
+        sc[15] = torch.randint(0, 1000, (ld,), generator=g).float()  # ties at the threshold, need fewer
+        m = min(map_bits, ld - 1)
+        spans = [(0, cap - 1), (0, cap), (0, cap + 1), (1, cap + 1), (2, cap + 2), (3, cap + 3), (5, cap + 6),
+                 (0, cap), (1, cap + 1), (0, cap - 1), (3, cap + 1), (0, cap), (7, 8 + topk), (9, 9 + topk),
+                 (20, 20), (0, cap), (0, m - 1), (0, m), (1, m + 1)]
+        start = torch.tensor([a for a, _ in spans], dtype=torch.int32)
+        end = torch.tensor([min(b, ld) for _, b in spans], dtype=torch.int32)
+        want_idx, want_len = sorted_select(sc, start, end, topk)
+        got = indexer_host.select_rows(sc.cuda(), start.cuda(), end.cuda(), topk, True, variant=variant)
+        torch.cuda.synchronize()
+        assert_same_selection(got, want_idx, want_len, sc)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_topk_shared_memory_rows_end_to_end(fp8, monkeypatch):
+    """``indexer_topk`` with its default select variants against the version before them
+    (``MLA_KERNELS_INDEXER_TOPK_VARIANT=base``), bitwise: causal at S 18000 (three row blocks of
+    different variants), and integer-valued inputs with key ranges (exact: the reference's
+    sets)."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    S, topk = 18000, 2048
+    rows = indexer_host.block_rows(S, S)
+    causal = type("P", (), dict(causal=True, s_q=S, s_kv=S))
+    chosen = [indexer_host.topk_variant(indexer_host.block_longest(causal, q0, min(rows, S - q0)), topk)
+              for q0 in range(0, S, rows)]
+    assert len(chosen) == 3 and chosen != ["base"] * 3
+    q, k, w, qs, ksc = rand_inputs(S, 64, 128, S, seed=21, fp8=fp8)
+    runs = []
+    for v in ("auto", "base"):
+        monkeypatch.setenv(indexer_host.ENV_TOPK_VARIANT, v)
+        runs.append(mk.indexer_topk(q, k, w, topk, sm_scale=128 ** -0.5, q_scale=qs, k_scale=ksc,
+                                    return_logits=True))
+    torch.cuda.synchronize()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert (runs[0][1] == torch.clamp(torch.arange(S, device="cuda") + 1, max=topk)).all()
+    s_q, s_kv, topk = 400, 5000, 300
+    q, k, w, qs, ksc = rand_inputs(s_q, 64, 128, s_kv, seed=22, fp8=fp8, integer=True)
+    kst, ken = ranges(s_q, s_kv, "ranges", seed=4)
+    runs = []
+    for v in ("auto", "base"):
+        monkeypatch.setenv(indexer_host.ENV_TOPK_VARIANT, v)
+        runs.append(mk.indexer_topk(q, k, w, topk, sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc,
+                                    return_logits=True))
+    torch.cuda.synchronize()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    want = ref.indexer_topk_ref(q, k, w, topk, 0.5, kst, ken, qs, ksc, return_logits=True)
+    assert torch.equal(runs[0][0], want[0]) and torch.equal(runs[0][1], want[1])
+    assert torch.equal(runs[0][2], want[2].float())
 
 
 def test_topk_kernel_rows_beyond_the_bitmap():

@@ -43,6 +43,8 @@ ENV_TOPK_CASES = {
     "topk_pp": ("MLA_KERNELS_INDEXER_SCORE_PINGPONG", [("1", "_pp")]),
     "topk_nopp": ("MLA_KERNELS_INDEXER_SCORE_PINGPONG", [("0", "_nopp")]),
     "hist_modes": ("MLA_KERNELS_INDEXER_TOPK_HIST", [(m, f"_hist{m}") for m in ("0", "plain", "pad")]),
+    "topk_nosmem": ("MLA_KERNELS_INDEXER_TOPK_SMEM", [("0", "_nosmem")]),
+    "topk_base": ("MLA_KERNELS_INDEXER_TOPK_VARIANT", [("base", "_vbase")]),
 }
 
 
@@ -72,7 +74,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "MLA_KERNELS_INDEXER_SCORE_PINGPONG=0, the default), topk_pp (=1: the score kernel's "
                          "warpgroups take turns issuing their MMAs), topk_packed (MLA_KERNELS_INDEXER_SCORE_HEADSUM="
                          "bf16x2: the head sum in packed bf16, with its logits / top-k differences to the float32 "
-                         "head sum); score_profile also times _pp and _bf16x2sum copies)")
+                         "head sum); score_profile also times _pp and _bf16x2sum copies; topk_nosmem (both top-k rows "
+                         "with MLA_KERNELS_INDEXER_TOPK_SMEM=0: no select variant with rows in shared memory), topk_base "
+                         "(both top-k rows with MLA_KERNELS_INDEXER_TOPK_VARIANT=base: the select kernel before its "
+                         "variants, every block))")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -144,7 +149,12 @@ def _row(rows, case, backend, S, topk, med, times, flop=None, peak=None, note=""
 
 def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
     """The two kernels of ``indexer_topk`` timed apart over all row blocks: the score kernel into
-    the workspace, and the select kernel over a workspace of real scores (the last block's)."""
+    the workspace, and the select kernel over a workspace of real scores (every block's, as the
+    score kernel wrote them).  Select rows: the default (each block's variant by
+    ``indexer_host.topk_variant``), ``_hist<mode>`` (the fused first histogram), ``_v<name>``
+    (every block with select variant ``name`` of ``indexer_host.TOPK_VARIANTS``; ``_vbase`` is
+    the version before the variants), and per row block (``_blk<i>_<name>``) that block's select
+    alone with each variant; a warning if any path chose other keys than the default."""
     from mla_kernels.api_indexer import make_indexer_problem
     from mla_kernels.common import host
     from mla_kernels.sm90 import indexer_host as ih
@@ -161,27 +171,54 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
     dummy = host.dummy(torch.float32, ws.device, (1, 1))
     q2, k, w_eff, ks = ins[0]
     p = probs[0]
-    # the default (no fused histogram) and the fused "pad" mode where it applies (s_kv < 65536)
-    for fused in dict.fromkeys([ih.topk_hist(p), ""] + (["pad"] if S < 65536 else [])):
-        score, select = ih._score_fn(p, fused), ih._topk_fn(p, False, fused)
+    blocks = [(q0, min(rows, S - q0)) for q0 in range(0, S, rows)]
+    auto = [ih.topk_variant(ih.block_longest(p, q0, n), TOPK) for q0, n in blocks]
+    # (fused histogram mode, per-block variants, row tag): the default first
+    configs = [(ih.topk_hist(p), auto, "")]
+    if S < 65536:
+        configs.append(("pad", ["base"] * len(blocks), "_histpad"))
+    configs += [("", [name] * len(blocks), f"_v{name}") for name in ih.TOPK_VARIANTS]
+    timed_scores = set()
+    picks = {}
+    for fused, variants, tag in configs:
+        score = ih._score_fn(p, fused)
         hb = hist if fused else ih.no_hist("cuda")
+        sel = [ih._topk_fn(p, False, fused, v) for v in variants]
 
         def f_score(i, score=score, hb=hb, fused=fused):
-            for q0 in range(0, S, rows):
-                n = min(rows, S - q0)
+            for q0, n in blocks:
                 score(q2, k, w_eff, ks, p.k_start, p.k_end, ws[q0: q0 + n], hb[q0: q0 + n] if fused else hb, q0, S)
 
-        def f_select(i, select=select, hb=hb, fused=fused):
-            for q0 in range(0, S, rows):
-                n = min(rows, S - q0)
+        def f_select(i, sel=sel, hb=hb, fused=fused):
+            for (q0, n), select in zip(blocks, sel):
                 select(ws[q0: q0 + n], p.k_start, p.k_end, idx, ln, dummy, hb[q0: q0 + n] if fused else hb, q0)
 
-        tag = f"_hist{fused}" if fused else ""
-        med, ts = _time(f_score, 1, args.warmup, args.reps)
-        _row(out, "topk_part_scores" + tag, "ours", S, TOPK, med, ts, fl_scores)
+        if fused not in timed_scores:
+            timed_scores.add(fused)
+            med, ts = _time(f_score, 1, args.warmup, args.reps)
+            _row(out, "topk_part_scores" + (f"_hist{fused}" if fused else ""), "ours", S, TOPK, med, ts, fl_scores)
+        else:
+            f_score(0)  # this config's scores (and histograms) in the workspace
+        idx.fill_(-7)
         med, ts = _time(f_select, 1, args.warmup, args.reps)
         _row(out, "topk_part_select" + tag, "ours", S, TOPK, med, ts, None, None,
-             f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s")
+             f"{S * (S + 1) / 2 * 4 / med / 1e9:.2f} TB/s; variants {','.join(variants)}")
+        picks[tag] = (idx.clone(), ln.clone())
+    for tag, (a, b) in picks.items():  # every select path chose the same keys
+        if not (torch.equal(a, picks[""][0]) and torch.equal(b, picks[""][1])):
+            print(f"  WARNING: select{tag} chose different keys than the default select", flush=True)
+    # per block: each block's select alone with each variant (the workspace holds the default scores)
+    for b, (q0, n) in enumerate(blocks):
+        longest = ih.block_longest(p, q0, n)
+        for name in ih.TOPK_VARIANTS:
+            select = ih._topk_fn(p, False, "", name)
+
+            def f_blk(i, select=select, q0=q0, n=n):
+                select(ws[q0: q0 + n], p.k_start, p.k_end, idx, ln, dummy, ih.no_hist("cuda"), q0)
+
+            med, ts = _time(f_blk, 1, args.warmup, args.reps)
+            _row(out, f"topk_part_select_blk{b}_{name}", "ours", S, TOPK, med, ts, None, None,
+                 f"rows {q0}..{q0 + n - 1}, <= {longest} keys{' (auto)' if name == auto[b] else ''}")
     del ws, hist
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Run the sm90 indexer kernels (scores bf16 / fp8, the top-k kernel on every path of its
-selection, loss forward, backward with atomic / bulk-reduce dk and every deterministic dk mode) under
+selection -- rows held in shared memory and rows read from global memory --, loss forward, backward with atomic / bulk-reduce dk and every deterministic dk mode) under
 compute-sanitizer's memcheck, racecheck and synccheck.
 
   python tools/sanitize_indexer.py [--tools memcheck,racecheck,synccheck] [--log-dir DIR]
@@ -117,7 +117,7 @@ def workload() -> int:
 
             step(f"score+topk topk {tag} hist={mode}", topk_mode)
 
-    def select_paths():
+    def select_paths(variant=None):
         ld, topk = 6000, 100
         rows = torch.randn(6, ld, generator=g)
         rows[0] = 0.0  # threshold bin over the shared candidate buffer: refined by row passes
@@ -125,7 +125,7 @@ def workload() -> int:
         rows[2, 7: 7 + topk] = 50.0  # first digit's bin taken whole
         start = torch.tensor([0, 0, 0, 3, 5, 0], dtype=torch.int32)
         end = torch.tensor([ld, ld, ld, ld - 1, 5 + topk, 50], dtype=torch.int32)  # short rows too
-        got = indexer_host.select_rows(rows.cuda(), start.cuda(), end.cuda(), topk, True)
+        got = indexer_host.select_rows(rows.cuda(), start.cuda(), end.cuda(), topk, True, variant=variant)
         for t in range(6):  # the definition, on the rows themselves
             a, b = int(start[t]), int(end[t])
             r = rows[t, a:b]
@@ -136,7 +136,11 @@ def workload() -> int:
                 return False
         return True
 
-    step("topk select paths", select_paths)
+    step("topk select paths", select_paths)  # the default variant for rows of 6000 keys
+    for name in indexer_host.TOPK_VARIANTS:  # every select variant
+        step(f"topk select paths {name}", lambda name=name: select_paths(name))
+    # rows of at most 3008 keys in shared memory, the longer ones by the global path, in one launch
+    step("topk select paths row_cap=3008", lambda: select_paths((3008, 4, 0, 8192, 0)))
 
     s_q, s_kv, topk = 60, 500, 200
     q = (torch.randn(s_q, 64, 128, generator=g) / 4).bfloat16().cuda()

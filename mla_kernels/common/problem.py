@@ -120,7 +120,9 @@ class IndexerProblem(_IndexerShapes):
       float64 or float8_e4m3fn); ``k_shape`` is the caller's shape of ``k``;
     * ``weights [s_q, h_idx]`` float32 (float64 for float64 problems);
     * ``k_start``, ``k_end`` ``[s_q]`` int32, clamped to ``[0, s_kv]`` (the causal default filled in);
-    * ``q_scale [s_q, h_idx]``, ``k_scale [s_kv]`` float32 for float8 inputs, else None.
+    * ``q_scale [s_q, h_idx]``, ``k_scale [s_kv]`` float32 for float8 inputs, else None;
+    * ``causal``: the ranges are the causal default (neither ``k_start`` nor ``k_end`` given), so
+      the host knows every row's length without reading them from the device.
     """
 
     q: torch.Tensor
@@ -132,6 +134,7 @@ class IndexerProblem(_IndexerShapes):
     q_scale: Optional[torch.Tensor]
     k_scale: Optional[torch.Tensor]
     k_shape: torch.Size
+    causal: bool = False
 
 
 @dataclass(frozen=True)

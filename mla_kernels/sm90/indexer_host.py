@@ -9,7 +9,9 @@ launches.
   kernel also counts each row's first-digit histogram (``[rows, 2048]`` int32 beside the
   workspace, 8 KiB per row: 32 MiB at 4096 rows) and the top-k kernel starts from it instead of
   reading the row once more -- an option (:data:`ENV_TOPK_HIST`), off by default: it measured
-  slower for bf16 and even for fp8 on an H200 (docs/PERF.md).
+  slower for bf16 and even for fp8 on an H200 (docs/PERF.md).  The select kernel's variant
+  (:data:`TOPK_VARIANTS`: rows held in shared memory, CTAs per SM) is chosen per row block by the
+  block's longest row (:func:`topk_variant`).
 * ``indexer_logits``: the score kernel into the caller's ``[s_q, s_kv]`` output, pre-filled with
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
@@ -52,11 +54,53 @@ ENV_DK = "MLA_KERNELS_INDEXER_DK"
 ENV_DET = "MLA_KERNELS_INDEXER_DET"
 DET_MODES = ("fixed_bulk64", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
-#: step, the first version's behaviour; default 4).
+#: step, the first version's behaviour; unset: the select variant's, :data:`TOPK_VARIANTS`).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 #: ``0``: the top-k kernel always writes its selection by a third pass over the row (the first
 #: version) instead of from its shared selection bitmap.
 ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
+#: The top-k (select) kernel's variants: name -> ``(row_cap, batch, min_ctas, map_words,
+#: row_unroll)`` (``indexer_topk.IndexerTopkSm90``'s options; ``batch`` here unless
+#: :data:`ENV_TOPK_BATCH` is set).  ``row_cap`` > 0: rows of at most that many keys read once into
+#: shared memory; ``min_ctas``: CTAs per SM the registers must allow; ``map_words``: the selection
+#: bitmap's words (rows of at most ``32 map_words`` keys written from it).  Every variant selects
+#: exactly the same keys for every row (tested); they differ in speed only.  Registers / shared
+#: memory (sm_90a, without / with logits) and the CTAs of 512 threads per SM they allow:
+#:
+#: * ``base``: the version before the variants: 42 / 42 registers, 72 KiB -> 2 per SM;
+#: * ``b2``: two warp steps of loads in flight instead of four: 35 / 35 -> 3 per SM;
+#: * ``b4m3``: ``base`` bounded to 3 per SM (40 registers, 32 bytes of spills);
+#: * ``b2m4`` / ``b1m4``: a 1,024-word bitmap (rows of <= 32,768 keys), 44 KiB, 32 registers -> 4
+#:   per SM (40 / 0 bytes of spills without logits);
+#: * ``s8k``: rows of <= 8,192 keys in shared memory, 72 KiB, 36 / 43 registers -> 3 / 2 per SM;
+#: * ``s16k`` / ``s32k`` / ``s47k``: rows of <= 16,384 / 32,768 / 47,104 keys in shared memory,
+#:   104 / 168 / 225 KiB -> 2 / 1 / 1 per SM.
+TOPK_VARIANTS = {
+    "base": (0, 4, 0, 8192, 0),
+    "b2": (0, 2, 0, 8192, 0),
+    "b4m3": (0, 4, 3, 8192, 0),
+    "b2m4": (0, 2, 4, 1024, 0),
+    "b1m4": (0, 1, 4, 1024, 0),
+    "s8k": (8192, 2, 0, 8192, 2),
+    "s16k": (16384, 4, 0, 8192, 0),
+    "s32k": (32768, 4, 0, 8192, 0),
+    "s47k": (47104, 4, 0, 8192, 0),
+}
+#: ``indexer_topk.MAX_ROW_CAP`` (repeated here so that the host side does not import the kernel
+#: module; a test checks that they agree).
+TOPK_MAX_ROW_CAP = 47104
+#: The select variant for every row block (a name of :data:`TOPK_VARIANTS`: benchmarks, tests);
+#: unset / ``auto``: :func:`topk_variant`'s choice by the block's longest row.
+ENV_TOPK_VARIANT = "MLA_KERNELS_INDEXER_TOPK_VARIANT"
+#: ``0``: :func:`topk_variant` never chooses a variant with rows in shared memory.
+ENV_TOPK_SMEM = "MLA_KERNELS_INDEXER_TOPK_SMEM"
+#: :func:`topk_variant`'s choice by the longest row of the block: ``(longest <= bound, name)``,
+#: the first that holds (the rows that need a selection, ``longest > topk``).  From the per-block
+#: select times of every variant on an H200 at S 32k (docs/PERF.md, 2026-11-23): ``s8k`` was the
+#: fastest for the blocks of <= 8,192 keys (0.066 / 0.151 ms vs ``base`` 0.095 / 0.191), ``b4m3``
+#: for every longer block (e.g. 0.424 vs 0.453 ms at <= 32,768 keys); ``b2m4`` / ``b1m4`` (4 CTAs
+#: per SM) and ``s16k`` were no faster, ``s32k`` / ``s47k`` (1 CTA per SM) 1.5x slower.
+TOPK_AUTO = ((8192, "s8k"), (None, "b4m3"))
 #: ``0``: the top-k kernel counts its first histogram by reading the row (the first version)
 #: instead of taking the one the score kernel counted while writing it; ``plain`` or ``pad``:
 #: that mode of the score kernel's counting (``indexer_score.HIST_MODES``) for both dtypes;
@@ -192,10 +236,12 @@ def score_pingpong() -> bool:
     return v == "1"
 
 
-def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False):
+def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False, row_cap=0, min_ctas=0, map_words=8192,
+                  row_unroll=0):
     from .indexer_topk import compile_topk
 
-    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist)
+    return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist, row_cap=row_cap,
+                        min_ctas=min_ctas, map_words=map_words, row_unroll=row_unroll)
 
 
 def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1, rotate=False):
@@ -249,15 +295,58 @@ def _score_fn(p, hist: str = ""):
                   lambda: _compile_score(fp8, p.h, p.d, arch, w_regs, parts, hist, pp, hs))
 
 
-def _topk_fn(p, return_logits: bool, pre_hist=False):
+def topk_smem() -> bool:
+    """Whether :func:`topk_variant` may choose rows in shared memory (:data:`ENV_TOPK_SMEM`)."""
+    v = os.environ.get(ENV_TOPK_SMEM, "1").strip() or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_TOPK_SMEM}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def topk_variant(longest: int, topk: int) -> str:
+    """The select kernel's variant (:data:`TOPK_VARIANTS`) for a row block whose rows have at most
+    ``longest`` keys: :data:`ENV_TOPK_VARIANT` when set, else the first of :data:`TOPK_AUTO` whose
+    bound holds ``longest`` (``base`` when no row needs a selection, ``longest <= topk``; a
+    shared-memory variant is skipped when :data:`ENV_TOPK_SMEM` is ``0``)."""
+    v = os.environ.get(ENV_TOPK_VARIANT, "").strip().lower()
+    if v and v != "auto":
+        if v not in TOPK_VARIANTS:
+            raise ValueError(f"{ENV_TOPK_VARIANT}={v!r}: expected auto or one of {', '.join(TOPK_VARIANTS)}")
+        return v
+    smem = topk_smem()
+    if longest <= topk:
+        return "base"
+    for bound, name in TOPK_AUTO:
+        if (bound is None or longest <= bound) and (smem or TOPK_VARIANTS[name][0] == 0):
+            return name
+    return "base"
+
+
+def block_longest(p, q0: int, n: int) -> int:
+    """An upper bound of the keys in range of the rows ``[q0, q0 + n)``: exact for the causal
+    default (``p.causal``: ``k_end[t] = s_kv - s_q + t + 1``), else ``s_kv`` (the ranges are on the
+    device; reading them would synchronise)."""
+    if getattr(p, "causal", False):
+        return min(p.s_kv, max(0, p.s_kv - p.s_q + q0 + n))
+    return p.s_kv
+
+
+def _topk_fn(p, return_logits: bool, pre_hist=False, variant="base"):
+    """The compiled select kernel: ``variant`` a name of :data:`TOPK_VARIANTS` or its tuple."""
     arch = _arch(p)
-    batch = int(os.environ.get(ENV_TOPK_BATCH, "4") or 4)
-    if batch not in (1, 2, 4, 8):
-        raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
+    row_cap, batch, min_ctas, map_words, unroll = TOPK_VARIANTS[variant] if isinstance(variant, str) else variant
+    env_batch = os.environ.get(ENV_TOPK_BATCH, "").strip()
+    if env_batch:
+        batch = int(env_batch)
+        if batch not in (1, 2, 4, 8):
+            raise ValueError(f"{ENV_TOPK_BATCH}={batch}: expected 1, 2, 4 or 8")
     bitmap = os.environ.get(ENV_TOPK_MAP, "1").strip() != "0"
     pre_hist = bool(pre_hist)
-    return cached(("IndexerTopkSm90", return_logits, batch, bitmap, pre_hist, arch),
-                  lambda: _compile_topk(return_logits, arch, batch, bitmap, pre_hist))
+    if pre_hist:  # the fused histogram replaces the row pass that would fill shared memory
+        row_cap = unroll = 0
+    opts = (batch, bitmap, pre_hist, row_cap, min_ctas, map_words, unroll)
+    return cached(("IndexerTopkSm90", return_logits) + opts + (arch,),
+                  lambda: _compile_topk(return_logits, arch, *opts))
 
 
 def no_hist(device) -> torch.Tensor:
@@ -288,7 +377,6 @@ def run_topk(p, topk: int, return_logits: bool):
     q2, k, w_eff, ks = _score_inputs(p)
     fused = topk_hist(p)
     score = _score_fn(p, fused)
-    select = _topk_fn(p, return_logits, fused)
     indices = host.alloc((p.s_q, topk), torch.int32, dev)
     length = host.alloc((p.s_q,), torch.int32, dev)
     logits = host.alloc((p.s_q, topk), torch.float32, dev) if return_logits else host.dummy(
@@ -300,21 +388,26 @@ def run_topk(p, topk: int, return_logits: bool):
         n = min(rows, p.s_q - q0)
         block = ws[:n]
         score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist, q0, p.s_kv)
+        select = _topk_fn(p, return_logits, fused, topk_variant(block_longest(p, q0, n), topk))
         select(block, p.k_start, p.k_end, indices, length, logits, hist, q0)
     return (indices, length, logits) if return_logits else (indices, length)
 
 
 def select_rows(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,
-                return_logits: bool = False):
+                return_logits: bool = False, variant=None):
     """The top-k kernel alone over a given float32 ``scores [s_q, ld]`` (row t = query t, keys
-    ``[k_start[t], k_end[t])`` int32, clamped by the caller): what ``run_topk`` does per block."""
+    ``[k_start[t], k_end[t])`` int32, clamped by the caller): what ``run_topk`` does per block.
+    ``variant``: a name of :data:`TOPK_VARIANTS` or its tuple; default :func:`topk_variant` of
+    ``ld``."""
     dev = scores.device
     s_q = scores.shape[0]
 
     class _P:  # what the compile cache key needs
         device = dev
 
-    select = _topk_fn(_P, return_logits)
+    if variant is None:
+        variant = topk_variant(scores.shape[1], topk)
+    select = _topk_fn(_P, return_logits, False, variant)
     indices = host.alloc((s_q, topk), torch.int32, dev)
     length = host.alloc((s_q,), torch.int32, dev)
     logits = host.alloc((s_q, topk), torch.float32, dev) if return_logits else host.dummy(torch.float32, dev, (1, 1))

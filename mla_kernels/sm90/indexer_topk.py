@@ -33,6 +33,21 @@ warp's ballot of the keys above the first digit's bin (with that bin when it is 
 one word of a shared selection bitmap; the refined candidates at or above the threshold are
 or-ed in; the selection is then written from the bitmap (per-thread word ranges, popcounts, a
 block prefix sum) -- no third read of the row.
+
+With ``row_cap`` (``indexer_host.TOPK_VARIANTS``, chosen per row block by its longest row) a row
+of ``n <= row_cap`` keys is read from global memory ONCE: pass 1 loads it with 16-byte loads
+(``row_unroll`` of them in flight per thread), histograms it and stores its order-preserving
+uint32 keys into shared memory (the bitmap's region, grown to ``row_cap + 4`` words; ``bitmap``
+is not used for such a row); passes 2, any refinement over the row (heavy ties), the segment
+counts and the write then read the keys from shared memory (the selected logits are read back
+from the global row: ``topk`` loads).  Rows longer than ``row_cap`` take the global path above in
+the same kernel.  Shared memory: ``40 KiB + 4 (row_cap + 4)`` bytes -- 104 KiB at 16,384 keys (2
+CTAs per SM, as the 42-register kernel without it), 168 KiB at 32,768 and 225 KiB at
+:data:`MAX_ROW_CAP` (1 CTA per SM).
+
+Occupancy options: ``min_ctas`` bounds the registers so that that many CTAs fit on an SM
+(``.minnctapersm``), ``map_words`` sizes the bitmap (rows of more than ``32 map_words`` keys are
+written by the third pass), ``batch`` / ``row_unroll`` set the loads in flight per thread.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 from ..common import indexer_device as idev
+from ..common.device import st_shared_v4_b32
 
 THREADS = 512
 WARPS = THREADS // 32
@@ -56,19 +72,42 @@ BAR = 1
 #: Words of the shared selection bitmap (``bitmap``): rows of at most ``MAP_BITS`` keys.
 MAP_WORDS = 8192
 MAP_BITS = 32 * MAP_WORDS
+#: Largest ``row_cap`` (keys of a row held in shared memory): the rest of the storage is ~40 KiB of
+#: the 227 KiB a CTA may have.
+MAX_ROW_CAP = 47104
 
 
 class IndexerTopkSm90:
     """Static configuration (whether the selected scores are returned; ``batch``: warp steps of 32
     keys whose loads are issued together in the ordered passes) + launcher + kernel."""
 
-    def __init__(self, return_logits: bool, batch: int = 4, bitmap: bool = True, pre_hist: bool = False):
+    def __init__(self, return_logits: bool, batch: int = 4, bitmap: bool = True, pre_hist: bool = False,
+                 row_cap: int = 0, min_ctas: int = 0, map_words: int = MAP_WORDS, row_unroll: int = 0):
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if not 0 <= row_cap <= MAX_ROW_CAP or row_cap % 32:
+            raise ValueError(f"row_cap must be a multiple of 32 in [0, {MAX_ROW_CAP}], got {row_cap}")
+        if row_cap and pre_hist:
+            raise ValueError("row_cap and pre_hist exclude each other (the row pass builds the histogram)")
         self.return_logits = return_logits
         self.batch = batch
         self.bitmap = bitmap
         self.pre_hist = pre_hist
+        if min_ctas not in (0, 1, 2, 3, 4):
+            raise ValueError(f"min_ctas must be 0 (no bound), 1, 2, 3 or 4, got {min_ctas}")
+        if not 32 <= map_words <= MAP_WORDS or map_words % 4:
+            raise ValueError(f"map_words must be a multiple of 4 in [32, {MAP_WORDS}], got {map_words}")
+        self.row_cap = row_cap
+        #: CTAs per SM the registers must allow (ptxas ``.minnctapersm``; 0: no bound)
+        self.min_ctas = min_ctas
+        #: words of the selection bitmap: rows of at most ``32 map_words`` keys are written from it
+        self.map_words = map_words
+        #: 16-byte loads per thread in flight in the shared-memory row path's load (more where one
+        #: CTA holds the SM)
+        self.row_unroll = row_unroll or (8 if row_cap > 16384 else 4)
+        #: 32-bit words of the shared region of the bitmap and the row's keys
+        self.sel_words = max(map_words if bitmap else 4, row_cap + 4 if row_cap else 0)
+        self.smem_bytes = 0
 
     @cute.jit
     def __call__(
@@ -92,11 +131,20 @@ class IndexerTopkSm90:
             seg_gt: cute.struct.MemRange[Int32, WARPS]
             seg_eq: cute.struct.MemRange[Int32, WARPS]
             found: cute.struct.MemRange[Int32, 4]
-            sel: cute.struct.Align[cute.struct.MemRange[Uint32, MAP_WORDS if self.bitmap else 4], 16]
+            sel: cute.struct.Align[cute.struct.MemRange[Uint32, self.sel_words], 16]
 
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        assert self.smem_bytes <= 232448, f"smem {self.smem_bytes} > 232448"
         self.kernel(mScores, mStart, mEnd, mIdx, mLen, mLogits, mHist, q0, SharedStorage).launch(
-            grid=[mScores.shape[0], 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+            grid=[mScores.shape[0], 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
+            **self._occupancy()
         )
+
+    def _occupancy(self):
+        """Launch options of ``min_ctas`` (the carveout given, so that no device is queried)."""
+        if not self.min_ctas:
+            return {}
+        return dict(min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mStart: cute.Tensor, mEnd: cute.Tensor, mIdx: cute.Tensor,
@@ -163,7 +211,21 @@ class IndexerTopkSm90:
     @cute.jit
     def select(self, row, row_ptr, n, st, t, topk, mIdx, mLogits, mHist, bidx, storage, tidx):
         """``n > topk``: the threshold (prefix of the key above ``shift``, ``need`` of its ties),
-        the per-warp-segment counts, then the ordered write."""
+        the per-warp-segment counts, then the ordered write -- from the row's keys in shared memory
+        when it has at most ``row_cap`` keys, else from the global row."""
+        if const_expr(self.row_cap > 0):
+            if n <= Int32(self.row_cap):
+                self.select_rows_from(True, row, row_ptr, n, st, t, topk, mIdx, mLogits, mHist, bidx, storage, tidx)
+            else:
+                self.select_rows_from(False, row, row_ptr, n, st, t, topk, mIdx, mLogits, mHist, bidx, storage, tidx)
+        else:
+            self.select_rows_from(False, row, row_ptr, n, st, t, topk, mIdx, mLogits, mHist, bidx, storage, tidx)
+
+    @cute.jit
+    def select_rows_from(self, in_smem: cutlass.Constexpr, row, row_ptr, n, st, t, topk, mIdx, mLogits, mHist,
+                         bidx, storage, tidx):
+        """:meth:`select`'s passes; ``in_smem``: pass 1 stores the row's keys in shared memory
+        (``src``) and the later passes read them there (no bitmap); else ``src`` is the global row."""
         sHist = storage.hist.get_tensor(cute.make_layout(BINS))
         sCandKey = storage.cand_key.get_tensor(cute.make_layout(CAP))
         sCandIdx = storage.cand_idx.get_tensor(cute.make_layout(CAP))
@@ -171,13 +233,19 @@ class IndexerTopkSm90:
         sSegGt = storage.seg_gt.get_tensor(cute.make_layout(WARPS))
         sSegEq = storage.seg_eq.get_tensor(cute.make_layout(WARPS))
         sFound = storage.found.get_tensor(cute.make_layout(4))
-        sSel = storage.sel.get_tensor(cute.make_layout(MAP_WORDS if self.bitmap else 4))
+        sSel = storage.sel.get_tensor(cute.make_layout(self.sel_words))
+        use_map = self.bitmap and not in_smem  # the bitmap shares its region with the row's keys
         lane = tidx % 32
         warp = tidx // 32
         seg = ((n + THREADS - 1) // THREADS) * 32  # each warp's contiguous segment
         w0 = warp * seg
         w1 = cutlass.min(w0 + seg, n)
         n_steps = cutlass.max(w1 - w0 + 31, Int32(0)) // 32
+        mis = Int32((row_ptr.toint() // 4) % 4)  # the row's first key's float offset in its 16 bytes
+        src = row
+        if const_expr(in_smem):
+            # key j at word mis + j: the row's 16-byte-aligned quads land on 16-byte-aligned words
+            src = cute.make_tensor(sSel.iterator + mis, cute.make_layout(self.row_cap + 1))
 
         # -- pass 1: histogram of the first digit (16-byte loads past the unaligned head) --------
         if tidx == 0:
@@ -186,10 +254,14 @@ class IndexerTopkSm90:
             for i in cutlass.range_constexpr(BINS // THREADS):
                 sHist[tidx + i * THREADS] = mHist[bidx, tidx + i * THREADS]
             cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        elif const_expr(in_smem):
+            self.clear_hist(sHist, tidx)
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+            self.load_row_keys(row, row_ptr, n, mis, src, sHist, tidx)
+            cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
         else:
             self.clear_hist(sHist, tidx)
             cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-            mis = Int32((row_ptr.toint() // 4) % 4)
             head = cutlass.min((4 - mis) % 4, n)
             n_vec = (n - head) // 4
             for i in cutlass.range((head - tidx + THREADS - 1) // THREADS, unroll=1):
@@ -200,8 +272,8 @@ class IndexerTopkSm90:
             r4 = cute.make_rmem_tensor((4,), Float32)
             for i in cutlass.range((n_vec - tidx + THREADS - 1) // THREADS, unroll=4):
                 v = tidx + i * THREADS
-                src = cute.make_tensor((row_ptr + (Int64(head) + Int64(4 * v))).align(16), cute.make_layout(4))
-                cute.autovec_copy(src, r4)
+                gsrc = cute.make_tensor((row_ptr + (Int64(head) + Int64(4 * v))).align(16), cute.make_layout(4))
+                cute.autovec_copy(gsrc, r4)
                 for e in cutlass.range_constexpr(4):
                     self.hist_add(sHist, idev.ordered_key(r4[e]))
             cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
@@ -211,19 +283,19 @@ class IndexerTopkSm90:
         done = cnt == need
         done1 = done
         use_cand = (cnt <= CAP) & (cnt != need)
-        map_ok = n <= Int32(MAP_BITS if self.bitmap else -1)  # never without the bitmap
+        map_ok = n <= Int32(32 * self.map_words if use_map else -1)  # never without the bitmap
 
         # -- pass 2: per-segment counts above / in bin b1; bin b1's keys to smem ---------------
         lt = cute.arch.lanemask_lt()
         cgt = Int32(0)
         ceq = Int32(0)
-        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        ks = cute.make_rmem_tensor((self.batch,), Uint32)
         for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
-            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            self.load_keys(in_smem, src, ks, w0 + ib * (32 * self.batch) + lane, w1)
             for u in cutlass.range_constexpr(self.batch):
                 j = w0 + (ib * self.batch + u) * 32 + lane
                 ok = j < w1
-                key = idev.ordered_key(xs[u])
+                key = ks[u]
                 hi = key >> Uint32(D1[0])
                 gt = ok & (hi > prefix)
                 eq = ok & (hi == prefix)
@@ -231,7 +303,7 @@ class IndexerTopkSm90:
                 cgt = cgt + Int32(cute.arch.popc(gtm))
                 m = Uint32(cute.arch.vote_ballot_sync(eq))
                 ceq = ceq + Int32(cute.arch.popc(m))
-                if const_expr(self.bitmap):
+                if const_expr(use_map):
                     j0 = w0 + (ib * self.batch + u) * 32
                     if map_ok and lane == 0 and j0 < w1:  # this warp's word (segments are word-aligned)
                         sSel[j0 // 32] = Uint32(cutlass.select_(done1, gtm | m, gtm))
@@ -267,16 +339,17 @@ class IndexerTopkSm90:
                     prefix = (prefix << Uint32(d_bits)) | Uint32(b)
                     shift = Int32(d_shift)
                     done = c == need
-            if const_expr(self.bitmap):
+            if const_expr(use_map):
                 map_ok = map_ok & done
             if map_ok:
                 # -- every tie taken: the candidates at or above the threshold into the bitmap ----
-                for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
-                    key = sCandKey[tidx + i * THREADS]
-                    j = sCandIdx[tidx + i * THREADS]
-                    if (key >> Uint32(shift)) >= prefix:
-                        cute.arch.atomic_or(sSel.iterator + (j // 32), Uint32(1) << Uint32(j % 32))
-                cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+                if const_expr(use_map):
+                    for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                        key = sCandKey[tidx + i * THREADS]
+                        j = sCandIdx[tidx + i * THREADS]
+                        if (key >> Uint32(shift)) >= prefix:
+                            cute.arch.atomic_or(sSel.iterator + (j // 32), Uint32(1) << Uint32(j % 32))
+                    cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
             else:
                 # -- the candidates per warp segment: finer "greater" and "equal" --------------
                 if tidx < WARPS:
@@ -292,7 +365,7 @@ class IndexerTopkSm90:
                         cute.arch.atomic_add(sSegEq.iterator + w, Int32(1))
                 cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
         else:
-            if const_expr(self.bitmap):
+            if const_expr(use_map):
                 map_ok = map_ok & done1  # the bitmap holds bin b1 whole; heavy ties go by the row
             if not done:
                 # -- heavy ties: refine and count by passes over the row -------------------------
@@ -302,7 +375,7 @@ class IndexerTopkSm90:
                         self.clear_hist(sHist, tidx)
                         cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
                         for i in cutlass.range((n - tidx + THREADS - 1) // THREADS, unroll=4):
-                            key = idev.ordered_key(row[tidx + i * THREADS])
+                            key = self.key_at(in_smem, src, tidx + i * THREADS)
                             if (key >> Uint32(d_shift + d_bits)) == prefix:
                                 b = Int32((key >> Uint32(d_shift)) & Uint32((1 << d_bits) - 1))
                                 cute.arch.atomic_add(sHist.iterator + b, Int32(1))
@@ -311,16 +384,78 @@ class IndexerTopkSm90:
                         prefix = (prefix << Uint32(d_bits)) | Uint32(b)
                         shift = Int32(d_shift)
                         done = c == need
-                self.count_segments(row, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp)
-        if const_expr(self.bitmap):
+                self.count_segments(in_smem, src, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp)
+        if const_expr(use_map):
             if map_ok:
                 self.write_from_map(row, n, st, t, mIdx, mLogits, sSel, sScratch, tidx)
             else:
-                self.write_selection(row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt,
-                                     sSegEq, lane, warp)
+                self.write_selection(in_smem, src, row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits,
+                                     sSegGt, sSegEq, lane, warp)
         else:
-            self.write_selection(row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
-                                 lane, warp)
+            self.write_selection(in_smem, src, row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits,
+                                 sSegGt, sSegEq, lane, warp)
+
+    @cute.jit
+    def load_row_keys(self, row, row_ptr, n, mis, sKeys, sHist, tidx):
+        """The shared-memory row path's pass 1: ``sKeys[j] = ordered_key(row[j])`` for the row's
+        ``n`` keys (``sKeys`` at word ``mis`` of a 16-byte-aligned buffer, so that the row's
+        16-byte quads are stored by 16-byte stores) and the first digit's histogram.  Each thread
+        issues :attr:`row_unroll` 16-byte loads before it uses them."""
+        head = cutlass.min((4 - mis) % 4, n)
+        n_vec = (n - head) // 4
+        for i in cutlass.range((head - tidx + THREADS - 1) // THREADS, unroll=1):
+            j = tidx + i * THREADS
+            key = idev.ordered_key(row[j])
+            sKeys[j] = key
+            self.hist_add(sHist, key)
+        tail0 = head + 4 * n_vec
+        for i in cutlass.range((n - tail0 - tidx + THREADS - 1) // THREADS, unroll=1):
+            j = tail0 + tidx + i * THREADS
+            key = idev.ordered_key(row[j])
+            sKeys[j] = key
+            self.hist_add(sHist, key)
+        U = self.row_unroll
+        rs = [cute.make_rmem_tensor((4,), Float32) for _ in range(U)]
+        base = Int32(sKeys.iterator.toint()) + 4 * head  # byte address of key `head`: 16-byte aligned
+        per = THREADS * U
+        for ib in cutlass.range((n_vec + per - 1) // per, unroll=1):
+            for u in cutlass.range_constexpr(U):  # the loads first (clamped: always in the row) ...
+                v = cutlass.min(tidx + (ib * U + u) * THREADS, n_vec - 1)
+                gsrc = cute.make_tensor((row_ptr + (Int64(head) + Int64(4 * v))).align(16), cute.make_layout(4))
+                cute.autovec_copy(gsrc, rs[u])
+            for u in cutlass.range_constexpr(U):  # ... then keys, histogram and 16-byte stores
+                v = tidx + (ib * U + u) * THREADS
+                if v < n_vec:
+                    k0 = idev.ordered_key(rs[u][0])
+                    k1 = idev.ordered_key(rs[u][1])
+                    k2 = idev.ordered_key(rs[u][2])
+                    k3 = idev.ordered_key(rs[u][3])
+                    self.hist_add(sHist, k0)
+                    self.hist_add(sHist, k1)
+                    self.hist_add(sHist, k2)
+                    self.hist_add(sHist, k3)
+                    st_shared_v4_b32(base + 16 * v, k0, k1, k2, k3)
+
+    def key_at(self, in_smem: bool, src, j):
+        """The order-preserving key of the row's key ``j`` (from shared memory, or converted)."""
+        return Uint32(src[j]) if in_smem else idev.ordered_key(src[j])
+
+    @cute.jit
+    def load_keys(self, in_smem: cutlass.Constexpr, src, ks, j0, w1):
+        """``ks[u]`` = the key of ``src[j0 + 32 u]`` (that of 0.0 past ``w1``): the batch's loads
+        issued back to back."""
+        if const_expr(in_smem):
+            for u in cutlass.range_constexpr(self.batch):
+                j = j0 + 32 * u
+                k = Uint32(0x80000000)
+                if j < w1:
+                    k = Uint32(src[j])
+                ks[u] = k
+        else:
+            xs = cute.make_rmem_tensor((self.batch,), Float32)
+            self.load_batch(src, xs, j0, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                ks[u] = idev.ordered_key(xs[u])
 
     @cute.jit
     def write_from_map(self, row, n, st, t, mIdx, mLogits, sSel, sScratch, tidx):
@@ -350,17 +485,18 @@ class IndexerTopkSm90:
         cute.arch.atomic_add(sHist.iterator + Int32(key >> Uint32(D1[0])), Int32(1))
 
     @cute.jit
-    def count_segments(self, row, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq, lane, warp):
+    def count_segments(self, in_smem: cutlass.Constexpr, src, w0, w1, n_steps, prefix, shift, sSegGt, sSegEq,
+                       lane, warp):
         """Per warp segment: keys with ``key >> shift`` above / equal to ``prefix``."""
         sh = Uint32(shift)
         cgt = Int32(0)
         ceq = Int32(0)
-        xs = cute.make_rmem_tensor((self.batch,), Float32)
+        ks = cute.make_rmem_tensor((self.batch,), Uint32)
         for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
-            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
+            self.load_keys(in_smem, src, ks, w0 + ib * (32 * self.batch) + lane, w1)
             for u in cutlass.range_constexpr(self.batch):
                 ok = w0 + (ib * self.batch + u) * 32 + lane < w1
-                hi = idev.ordered_key(xs[u]) >> sh
+                hi = ks[u] >> sh
                 cgt = cgt + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi > prefix)))))
                 ceq = ceq + Int32(cute.arch.popc(Uint32(cute.arch.vote_ballot_sync(ok & (hi == prefix)))))
         if lane == 0:
@@ -369,10 +505,11 @@ class IndexerTopkSm90:
         cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
 
     @cute.jit
-    def write_selection(self, row, st, t, w0, w1, n_steps, prefix, shift, need, mIdx, mLogits, sSegGt, sSegEq,
-                        lane, warp):
+    def write_selection(self, in_smem: cutlass.Constexpr, src, row, st, t, w0, w1, n_steps, prefix, shift, need,
+                        mIdx, mLogits, sSegGt, sSegEq, lane, warp):
         """Keys with ``key >> shift`` above ``prefix`` and the first ``need`` equal to it, in order,
-        from the per-warp-segment counts."""
+        from the per-warp-segment counts (``in_smem``: keys from shared memory, the selected
+        logits from the global ``row``)."""
         sh = Uint32(shift)
         gt_before = Int32(0)
         eq_before = Int32(0)
@@ -381,27 +518,49 @@ class IndexerTopkSm90:
             gt_before = gt_before + Int32(cutlass.select_(mine, sSegGt[w], Int32(0)))
             eq_before = eq_before + Int32(cutlass.select_(mine, sSegEq[w], Int32(0)))
         lt = cute.arch.lanemask_lt()
-        xs = cute.make_rmem_tensor((self.batch,), Float32)
-        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
-            self.load_batch(row, xs, w0 + ib * (32 * self.batch) + lane, w1)
-            for u in cutlass.range_constexpr(self.batch):
-                j = w0 + (ib * self.batch + u) * 32 + lane
-                ok = j < w1
-                x = xs[u]
-                hi = idev.ordered_key(x) >> sh
-                gt = ok & (hi > prefix)
-                eq = ok & (hi == prefix)
-                gtm = Uint32(cute.arch.vote_ballot_sync(gt))
-                eqm = Uint32(cute.arch.vote_ballot_sync(eq))
-                my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
-                my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
-                if gt or (eq and my_eq < need):
-                    pos = my_gt + cutlass.min(my_eq, need)
-                    mIdx[t, pos] = st + j
-                    if const_expr(self.return_logits):
-                        mLogits[t, pos] = x
-                gt_before = gt_before + Int32(cute.arch.popc(gtm))
-                eq_before = eq_before + Int32(cute.arch.popc(eqm))
+        if const_expr(in_smem):
+            ks = cute.make_rmem_tensor((self.batch,), Uint32)
+            for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+                self.load_keys(True, src, ks, w0 + ib * (32 * self.batch) + lane, w1)
+                for u in cutlass.range_constexpr(self.batch):
+                    j = w0 + (ib * self.batch + u) * 32 + lane
+                    ok = j < w1
+                    hi = ks[u] >> sh
+                    gt = ok & (hi > prefix)
+                    eq = ok & (hi == prefix)
+                    gtm = Uint32(cute.arch.vote_ballot_sync(gt))
+                    eqm = Uint32(cute.arch.vote_ballot_sync(eq))
+                    my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
+                    my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
+                    if gt or (eq and my_eq < need):
+                        pos = my_gt + cutlass.min(my_eq, need)
+                        mIdx[t, pos] = st + j
+                        if const_expr(self.return_logits):
+                            mLogits[t, pos] = row[j]
+                    gt_before = gt_before + Int32(cute.arch.popc(gtm))
+                    eq_before = eq_before + Int32(cute.arch.popc(eqm))
+        else:
+            xs = cute.make_rmem_tensor((self.batch,), Float32)
+            for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+                self.load_batch(src, xs, w0 + ib * (32 * self.batch) + lane, w1)
+                for u in cutlass.range_constexpr(self.batch):
+                    j = w0 + (ib * self.batch + u) * 32 + lane
+                    ok = j < w1
+                    x = xs[u]
+                    hi = idev.ordered_key(x) >> sh
+                    gt = ok & (hi > prefix)
+                    eq = ok & (hi == prefix)
+                    gtm = Uint32(cute.arch.vote_ballot_sync(gt))
+                    eqm = Uint32(cute.arch.vote_ballot_sync(eq))
+                    my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
+                    my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
+                    if gt or (eq and my_eq < need):
+                        pos = my_gt + cutlass.min(my_eq, need)
+                        mIdx[t, pos] = st + j
+                        if const_expr(self.return_logits):
+                            mLogits[t, pos] = x
+                    gt_before = gt_before + Int32(cute.arch.popc(gtm))
+                    eq_before = eq_before + Int32(cute.arch.popc(eqm))
 
     @cute.jit
     def load_batch(self, row, xs, j0, w1):
@@ -415,14 +574,15 @@ class IndexerTopkSm90:
 
 
 def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, bitmap: bool = True,
-                 pre_hist: bool = False, **kw):
+                 pre_hist: bool = False, row_cap: int = 0, min_ctas: int = 0, map_words: int = MAP_WORDS,
+                 row_unroll: int = 0, **kw):
     """Compile the top-k kernel (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     rows, ld, s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(7))
     topk, topk2, h_rows, h_cols = (cute.sym_int() for _ in range(4))
-    kernel = IndexerTopkSm90(return_logits, batch, bitmap, pre_hist)
+    kernel = IndexerTopkSm90(return_logits, batch, bitmap, pre_hist, row_cap, min_ctas, map_words, row_unroll)
     args = (
         host.fake(Float32, (rows, ld), align=4),
         host.fake(Int32, (s_q,), align=4),
