@@ -37,7 +37,6 @@ import csv
 import glob
 import os
 import re
-import statistics
 import sys
 from collections import Counter, defaultdict
 
