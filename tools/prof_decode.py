@@ -248,6 +248,17 @@ def mbar_target(sass: str) -> str:
     return m.group(1) if m else ""
 
 
+def wait_sites(rows, rl, role):
+    """``(smem offset, pc of the try_wait, samples)`` of each mbarrier wait loop of a role (the
+    ``SYNCS.PHASECHK.TRANS64.TRYWAIT`` and the three instructions after it: ``NANOSLEEP.SYNCS``,
+    the retry ``PHASECHK``, the branch back; ncu files the samples there under long_scoreboard)."""
+    out = []
+    for i, r in enumerate(rows):
+        if rl[i] == role and "PHASECHK.TRANS64.TRYWAIT" in r["sass"]:
+            out.append((mbar_target(r["sass"]), r["pc"], sum(x["total"] for x in rows[i:i + 4])))
+    return out
+
+
 def summarize(path: str, top: int = 25) -> None:
     kernel, rows = read_rows(path)
     rl = roles(rows)
@@ -270,6 +281,10 @@ def summarize(path: str, top: int = 25) -> None:
         print("   by reason: " + ", ".join(f"{k} {v:.0f} ({100 * v / s:.1f}%)" for k, v in reasons.most_common(10) if v))
         print("   by instruction class: " + ", ".join(f"{k} {v:.0f} ({100 * v / s:.1f}%)"
                                                       for k, v in classes.most_common() if v))
+        waits = wait_sites(rows, rl, role)
+        if waits:
+            print("   mbarrier wait loops (smem offset: samples, % of role): " + ", ".join(
+                f"{off}@{pc:#x} {v:.0f} ({100 * v / s:.1f}%)" for off, pc, v in waits))
         print(f"   top {top} lines:")
         for r in sorted(sel, key=lambda r: -r["total"])[:top]:
             if not r["total"]:
