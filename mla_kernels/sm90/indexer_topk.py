@@ -518,49 +518,31 @@ class IndexerTopkSm90:
             gt_before = gt_before + Int32(cutlass.select_(mine, sSegGt[w], Int32(0)))
             eq_before = eq_before + Int32(cutlass.select_(mine, sSegEq[w], Int32(0)))
         lt = cute.arch.lanemask_lt()
-        if const_expr(in_smem):
-            ks = cute.make_rmem_tensor((self.batch,), Uint32)
-            for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
-                self.load_keys(True, src, ks, w0 + ib * (32 * self.batch) + lane, w1)
-                for u in cutlass.range_constexpr(self.batch):
-                    j = w0 + (ib * self.batch + u) * 32 + lane
-                    ok = j < w1
-                    hi = ks[u] >> sh
-                    gt = ok & (hi > prefix)
-                    eq = ok & (hi == prefix)
-                    gtm = Uint32(cute.arch.vote_ballot_sync(gt))
-                    eqm = Uint32(cute.arch.vote_ballot_sync(eq))
-                    my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
-                    my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
-                    if gt or (eq and my_eq < need):
-                        pos = my_gt + cutlass.min(my_eq, need)
-                        mIdx[t, pos] = st + j
-                        if const_expr(self.return_logits):
-                            mLogits[t, pos] = row[j]
-                    gt_before = gt_before + Int32(cute.arch.popc(gtm))
-                    eq_before = eq_before + Int32(cute.arch.popc(eqm))
-        else:
-            xs = cute.make_rmem_tensor((self.batch,), Float32)
-            for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
-                self.load_batch(src, xs, w0 + ib * (32 * self.batch) + lane, w1)
-                for u in cutlass.range_constexpr(self.batch):
-                    j = w0 + (ib * self.batch + u) * 32 + lane
-                    ok = j < w1
-                    x = xs[u]
-                    hi = idev.ordered_key(x) >> sh
-                    gt = ok & (hi > prefix)
-                    eq = ok & (hi == prefix)
-                    gtm = Uint32(cute.arch.vote_ballot_sync(gt))
-                    eqm = Uint32(cute.arch.vote_ballot_sync(eq))
-                    my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
-                    my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
-                    if gt or (eq and my_eq < need):
-                        pos = my_gt + cutlass.min(my_eq, need)
-                        mIdx[t, pos] = st + j
-                        if const_expr(self.return_logits):
-                            mLogits[t, pos] = x
-                    gt_before = gt_before + Int32(cute.arch.popc(gtm))
-                    eq_before = eq_before + Int32(cute.arch.popc(eqm))
+        # a batch of keys (shared memory) or of scores (global, their keys formed here)
+        vs = cute.make_rmem_tensor((self.batch,), Uint32 if in_smem else Float32)
+        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
+            if const_expr(in_smem):
+                self.load_keys(True, src, vs, w0 + ib * (32 * self.batch) + lane, w1)
+            else:
+                self.load_batch(src, vs, w0 + ib * (32 * self.batch) + lane, w1)
+            for u in cutlass.range_constexpr(self.batch):
+                j = w0 + (ib * self.batch + u) * 32 + lane
+                ok = j < w1
+                key = vs[u] if const_expr(in_smem) else idev.ordered_key(vs[u])
+                hi = key >> sh
+                gt = ok & (hi > prefix)
+                eq = ok & (hi == prefix)
+                gtm = Uint32(cute.arch.vote_ballot_sync(gt))
+                eqm = Uint32(cute.arch.vote_ballot_sync(eq))
+                my_gt = gt_before + Int32(cute.arch.popc(gtm & lt))
+                my_eq = eq_before + Int32(cute.arch.popc(eqm & lt))
+                if gt or (eq and my_eq < need):
+                    pos = my_gt + cutlass.min(my_eq, need)
+                    mIdx[t, pos] = st + j
+                    if const_expr(self.return_logits):
+                        mLogits[t, pos] = row[j] if const_expr(in_smem) else vs[u]
+                gt_before = gt_before + Int32(cute.arch.popc(gtm))
+                eq_before = eq_before + Int32(cute.arch.popc(eqm))
 
     @cute.jit
     def load_batch(self, row, xs, j0, w1):
