@@ -385,27 +385,6 @@ def test_decode_knobs(monkeypatch):
         decode_host.l2_evict_first(16)
 
 
-def test_producer_knob(monkeypatch):
-    """MLA_KERNELS_DECODE_PRODUCER picks the 64-head kernel's producer when a plan is made."""
-    monkeypatch.delenv(decode_host.ENV_PRODUCER, raising=False)
-    assert decode_host.DEFAULT_PRODUCER == "chain" and decode_host.producer_ahead() is False
-    monkeypatch.setenv(decode_host.ENV_PRODUCER, " ahead ")
-    assert decode_host.producer_ahead() is True
-    monkeypatch.setenv(decode_host.ENV_PRODUCER, "chain")
-    assert decode_host.producer_ahead() is False
-    monkeypatch.setenv(decode_host.ENV_PRODUCER, "early")
-    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_PRODUCER='early': expected one of chain, ahead"):
-        decode_host.producer_ahead()
-
-
-def test_producer_ahead_option_only_where_it_exists():
-    class NoOption:
-        pass
-
-    with pytest.raises(ValueError, match="NoOption has no producer_ahead option"):
-        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", producer_ahead=True)
-
-
 def test_cluster_knobs_and_size_rule(monkeypatch):
     """The cluster merge (one launch, the splits of a row merged over DSMEM) serves the 64-head
     kernel's split counts 2/4/8/16 up to MLA_KERNELS_DECODE_CLUSTER_MAX; every other plan keeps

@@ -102,18 +102,3 @@ def test_cluster_merge_through_l2(report):
     assert sass.get("STG.E.128", 0) >= 32 and sass.get("LD.E.128", 0) == 0
     assert sass.get("UCGABAR_ARV", 0) == 2 and sass.get("UCGABAR_WAIT", 0) == 2 and sass.get("MEMBAR.ALL.GPU", 0) == 1
     assert sass.get("LDG.E.128", 0) >= 36 + 16
-
-
-def test_producer_ahead_kernel():
-    """The 64-head kernel with the producer that runs the index chain a block pair ahead
-    (MLA_KERNELS_DECODE_PRODUCER=ahead) fits the producer's 72 registers (no spills) and issues
-    the default producer's copies: 64 per block pair (+ Q's)."""
-    from mla_kernels.sm90 import compile_decode
-
-    cr = compile_report_module()
-    r = cr.report_one("sm90_decode_d576_h64_direct_ahead",
-                      lambda a, **kw: compile_decode(576, 64, False, a, producer_ahead=True, **kw), "sm_90a",
-                      cr.find_nvdisasm())
-    assert r["smem_bytes"] <= SMEM_LIMIT
-    sass, base = _common(r)
-    assert base.get("LDGSTS", 0) == 72 + q_chunks(64)

@@ -230,35 +230,6 @@ def test_decode_direct_mode(h, b, s_q, monkeypatch):
     check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
 
 
-@pytest.mark.parametrize("h,b,s_q,topk,block_table,combine", [
-    (64, 140, 1, 2048, True, "auto"),  # direct mode, the b 128 shapes' kernel, 16 block pairs
-    (128, 67, 2, 640, False, "auto"),  # direct, physical ids, an odd block count (a padding block)
-    (128, 2, 2, 2048, True, "auto"),  # split, merged in a cluster
-    (64, 3, 1, 1000, True, "separate"),  # split + the combine kernel, topk not a multiple of 64
-    (128, 1, 1, 2048, True, "fused"),  # split, the fused tail
-])
-def test_decode_direct_producer_ahead_is_bitwise_chain(h, b, s_q, topk, block_table, combine, monkeypatch):
-    """The producer that runs the index chain a block pair ahead (MLA_KERNELS_DECODE_PRODUCER=ahead)
-    copies the same rows: its outputs equal the default producer's bit for bit (invalid, duplicate
-    and empty rows, topk_length, sink and bias included), and both match the reference."""
-    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
-    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
-    c = dcase(b, s_q, h, topk, seq_len=4096, block_table=block_table, tl="bs", sink=True, bias=h == 64,
-              seed=7 * h + b)
-    res = {}
-    for mode in ("chain", "ahead"):
-        monkeypatch.setenv("MLA_KERNELS_DECODE_PRODUCER", mode)
-        plan = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True)
-        plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)
-        res[mode] = (out.clone(), lse.clone(), plan.max_logits.clone(), plan.num_splits)
-    o0, l0, m0, n0 = res["chain"]
-    o1, l1, m1, n1 = res["ahead"]
-    assert n0 == n1 and (n0 == 1) == (b >= 67)  # the first two cases fill the GPU: direct mode
-    assert torch.equal(o0, o1) and torch.equal(l0, l1) and torch.equal(m0, m1)
-    check(o1, l1, want_of(c, sc, with_ml=True), c, ml=m1)
-
-
 @pytest.mark.parametrize("h", [32, 128])
 def test_decode_page_size_1_physical_ids(h, monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")

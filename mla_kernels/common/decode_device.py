@@ -25,7 +25,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, Uint32
+from cutlass import BFloat16, Boolean, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warp, warpgroup
@@ -397,84 +397,6 @@ def paired_producer_loop(
         if ptid % 32 == 0:
             sValid[warp_in_wg] = bits
             cute.arch.mbarrier_arrive(bar_valid)
-
-
-@cute.jit
-def paired_producer_loop_ahead(
-    gather,
-    sK0_addr: Int32,
-    sK1_addr: Int32,
-    sValid: cute.Tensor,
-    k0l: cutlass.Constexpr,
-    k0r: cutlass.Constexpr,
-    k1l: cutlass.Constexpr,
-    k1r: cutlass.Constexpr,
-    bar_valid,
-    blk0: Int32,
-    num_iters: Int32,
-    ptid: Int32,
-    warp_in_wg: Int32,
-    n_left: cutlass.Constexpr,
-    n_k_tiles: cutlass.Constexpr,
-):
-    """:func:`paired_producer_loop` with the index chain of the next block pair run one pair
-    ahead (a :class:`~mla_kernels.common.decode_parts.PagedKvGather` only): the same copies into
-    the same places in the same order, and the same validity words, but pair ``it + 1``'s top-k
-    loads go out after pair ``it``'s first half is issued, its buffer-0 block-table loads after
-    the second, its buffer-0 rows are formed after the third (buffer 0's registers are then free)
-    with buffer 1's and the validity slot's block-table loads issued, and its buffer-1 rows and validity
-    word after the fourth -- each load's latency hides behind the next free-wait instead of
-    sitting between a free half and its copies (the staggering keeps the producer within its 72
-    registers).  The last pair's look-ahead
-    reads clamped, in-range slots and is never used."""
-    rpt = gather.rows_per_thread
-    # per thread: 2 blocks x rpt positions, then the validity word's position
-    raw = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
-    pages = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
-    bits = cute.make_rmem_tensor((1,), Uint32)
-    v_off = (warp_in_wg // 2) * dp.BLOCK + ptid % dp.BLOCK  # validity slot within a pair
-    # prologue: pair 0 fully translated
-    gather.fetch_raw(raw, blk0, 0)
-    gather.fetch_raw(raw, blk0 + 1, 1)
-    raw[2 * rpt] = gather.raw_index(blk0 * dp.BLOCK + v_off)
-    gather.fetch_pages(raw, pages, 0)
-    gather.fetch_pages(raw, pages, 1)
-    pages[2 * rpt], raw[2 * rpt] = gather.stage_page(raw[2 * rpt])
-    gather.indices_from_pages(raw, pages, blk0, 0)
-    gather.indices_from_pages(raw, pages, blk0 + 1, 1)
-    _, v0 = gather.finish_staged(raw[2 * rpt], pages[2 * rpt], blk0 * dp.BLOCK + v_off)
-    bits[0] = Uint32(cute.arch.vote_ballot_sync(v0))
-    for it in cutlass.range(num_iters, unroll=1):
-        parity = it & 1
-        nxt = blk0 + 2 * it + 2
-        k0l.wait_free(parity)
-        gather.copy_tiles(sK0_addr, 0, 0, n_left)
-        k0l.commit_cp_async()
-        # pair it + 1: the top-k loads
-        gather.fetch_raw(raw, nxt, 0)
-        gather.fetch_raw(raw, nxt + 1, 1)
-        raw[2 * rpt] = gather.raw_index(nxt * dp.BLOCK + v_off)
-        k1r.wait_free(parity)
-        gather.copy_tiles(sK1_addr, 1, n_left, n_k_tiles)
-        k1r.commit_cp_async()
-        # pair it + 1: the block-table loads of buffer 0's rows
-        gather.fetch_pages(raw, pages, 0)
-        k0r.wait_free(parity)
-        gather.copy_tiles(sK0_addr, 0, n_left, n_k_tiles)
-        k0r.commit_cp_async()
-        # buffer 0's rows of pair it are all issued: form pair it + 1's; buffer 1's and the validity slot's page loads
-        gather.indices_from_pages(raw, pages, nxt, 0)
-        gather.fetch_pages(raw, pages, 1)
-        pages[2 * rpt], raw[2 * rpt] = gather.stage_page(raw[2 * rpt])
-        k1l.wait_free(parity)
-        gather.copy_tiles(sK1_addr, 1, 0, n_left)
-        k1l.commit_cp_async()
-        if ptid % 32 == 0:
-            sValid[warp_in_wg] = bits[0]
-            cute.arch.mbarrier_arrive(bar_valid)
-        gather.indices_from_pages(raw, pages, nxt + 1, 1)
-        _, vn = gather.finish_staged(raw[2 * rpt], pages[2 * rpt], nxt * dp.BLOCK + v_off)
-        bits[0] = Uint32(cute.arch.vote_ballot_sync(vn))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,16 +76,8 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, part
     )
 
 
-def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False,
-                          producer_ahead: Optional[bool] = None, **kw):
-    """Compile ``kernel`` over the decode contract's fake tensors; ``producer_ahead`` (the 64-head
-    kernel only, ``sm90/decode.py``): its producer runs the index chain a block pair ahead."""
+def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False, **kw):
     from .. import _compile
-
-    if producer_ahead is not None:
-        if not hasattr(kernel, "producer_ahead"):
-            raise ValueError(f"{type(kernel).__name__} has no producer_ahead option")
-        kernel.producer_ahead = bool(producer_ahead)
 
     parts_bf16 = split and getattr(kernel, "parts_bf16", False)
     return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
@@ -344,25 +336,6 @@ def l2_evict_first(h_q: int) -> bool:
     return v == "first" or (v == "auto" and h_q in NARROW_HEADS)
 
 
-ENV_PRODUCER = "MLA_KERNELS_DECODE_PRODUCER"
-PRODUCER_MODES = ("chain", "ahead")
-DEFAULT_PRODUCER = "chain"
-
-
-def producer_ahead() -> bool:
-    """The 64-head kernel's producer, read when a plan is made: ``MLA_KERNELS_DECODE_PRODUCER`` =
-    ``chain`` (default: each block pair's top-k -> block-table -> row chain at the top of its
-    iteration) or ``ahead`` (the chain of the next pair spread over this pair's four free-waits,
-    ``decode_device.paired_producer_loop_ahead``; the same outputs bit for bit).  The narrow
-    (h_q <= 32) kernel has its own producer and ignores it."""
-    import os
-
-    v = os.environ.get(ENV_PRODUCER, DEFAULT_PRODUCER).strip()
-    if v not in PRODUCER_MODES:
-        raise ValueError(f"{ENV_PRODUCER}={v!r}: expected one of {', '.join(PRODUCER_MODES)}")
-    return v == "ahead"
-
-
 def decode_knobs():
     """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
     ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
@@ -425,12 +398,8 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
             ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
             lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     else:
-        ahead = producer_ahead()
-        if ahead:
-            kw["producer_ahead"] = True
-        kern = _compile.cached_compile(
-            ("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch) + (("ahead",) if ahead else ()),
-            lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
+        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
+                                       lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
     st = plan.state
     st["kernel"] = kern

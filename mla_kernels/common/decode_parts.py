@@ -69,53 +69,6 @@ class PagedKvGather(KvGather):
         in_range = Boolean(cutlass.select_(self.use_bt, ok_paged, (pos >= 0) & (pos < self.s_kv)))
         return idx, in_range & (slot < self.topk_len)
 
-    # :meth:`index_at` in three stages, for a producer that runs them a block pair ahead
-    # (``decode_device.paired_producer_loop_ahead``): the top-k load (:meth:`raw_index`), the
-    # block-table load (:meth:`stage_page`: the first use of the top-k value), the row and its
-    # validity (:meth:`finish_staged`: the first use of the page).  The same rows and flags as
-    # :meth:`index_at`; between the stages a slot holds two 32-bit values.
-    def raw_index(self, slot):
-        """Top-k entry ``slot`` of this token (a clamped slot past ``topk``: invalidated later)."""
-        return self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
-
-    def stage_page(self, pos):
-        """``(page, val)`` of position ``pos``: the block-table load (issued, not waited for;
-        always made, unused without the table) and what :meth:`finish_staged` needs besides it --
-        with the table the in-page offset, or -1 where ``pos < 0`` or its page index is past the
-        table; without it ``pos``."""
-        ps = cutlass.max(self.page_size, 1)
-        pos_c = cutlass.max(pos, Int32(0))
-        page_i = pos_c // ps
-        page = self.mBT[self.bt_row, cutlass.min(page_i, self.max_pages - 1)]
-        off = Int32(cutlass.select_((pos >= 0) & (page_i < self.max_pages), pos_c - page_i * ps, Int32(-1)))
-        return page, Int32(cutlass.select_(self.use_bt, off, pos))
-
-    def finish_staged(self, val, page, slot):
-        """``(row, valid)`` of top-k ``slot`` from :meth:`stage_page`'s ``(page, val)``."""
-        ps = cutlass.max(self.page_size, 1)
-        ok_paged = (val >= 0) & (page >= 0) & (page < self.num_pages)
-        idx = Int32(cutlass.select_(self.use_bt, page * ps + val, val))
-        in_range = Boolean(cutlass.select_(self.use_bt, ok_paged, (val >= 0) & (val < self.s_kv)))
-        return idx, in_range & (slot < self.topk_len)
-
-    def fetch_pages(self, raw: cute.Tensor, pages: cute.Tensor, slot_b: int) -> None:
-        """:meth:`stage_page` of the ``rows/16`` positions :meth:`fetch_raw` put in
-        ``raw[slot_b * rows/16 + j]``: the pages into ``pages[...]``, the values into ``raw[...]``."""
-        for j in range(self.rows_per_thread):
-            k = slot_b * self.rows_per_thread + j
-            pages[k], raw[k] = self.stage_page(raw[k])
-
-    def indices_from_pages(self, raw: cute.Tensor, pages: cute.Tensor, block, slot_b: int) -> None:
-        """:meth:`load_indices` of ``block`` into register slot ``slot_b`` from
-        :meth:`fetch_pages`'s values."""
-        for j in range(self.rows_per_thread):
-            k = slot_b * self.rows_per_thread + j
-            slot = block * self.rows + self.group + GROUPS * j
-            idx, v = self.finish_staged(raw[k], pages[k], slot)
-            self.ok[slot_b, j] = v
-            safe = Int64(cutlass.select_(v, idx, Int32(0)))
-            self.src[slot_b, j] = self.kv_addr + safe * self.row_bytes
-
     def copy_tiles(self, buf_addr: Int32, slot_b: int, t0: int, t1: int) -> None:
         """:meth:`KvGather.copy_tiles` with this gather's L2 prefetch size.  Decode rows are
         ``d_qk * 2`` bytes at random rows of a large cache (no reuse): a 256-byte prefetch

@@ -79,10 +79,6 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         self.f32_out = split and not self.parts_bf16 and not self.cluster_dsmem  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
-        # the producer runs the next block pair's index -> block-table -> row chain one pair ahead
-        # (decode_device.paired_producer_loop_ahead; MLA_KERNELS_DECODE_PRODUCER=ahead), set by
-        # decode_host.compile_decode_kernel
-        self.producer_ahead = False
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -275,14 +271,9 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
                 dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch, self.evict_first,
             )
-            if const_expr(self.producer_ahead):
-                dd.paired_producer_loop_ahead(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid,
-                                              k0l, k0r, k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg,
-                                              warp_idx % 4, self.n_left, self.n_k_tiles)
-            else:
-                dd.paired_producer_loop(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid, k0l,
-                                        k0r, k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg, warp_idx % 4,
-                                        self.n_left, self.n_k_tiles)
+            dd.paired_producer_loop(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid, k0l, k0r,
+                                    k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg, warp_idx % 4, self.n_left,
+                                    self.n_k_tiles)
             if const_expr(self.cluster):
                 cm.cluster_sync(False)  # the partials are staged (the producer wrote none of them)
             if const_expr(self.cluster_dsmem):
