@@ -25,8 +25,6 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from . import decode_parts as dp
 from . import device as dev
@@ -47,35 +45,6 @@ def bfly_offsets(seg: int):
 
 def staged_bytes(rows: int, d_v: int, bf16: bool) -> int:
     return rows * row_stride_bytes(d_v, bf16)
-
-
-@dsl_user_op
-def ld_cluster_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
-    """A 4-byte load from a shared::cluster address (kept after the cluster barrier: side effects)."""
-    return Float32(llvm.inline_asm(
-        T.f32(),
-        [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared::cluster.f32 $0, [$1];",
-        "=f,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
-@dsl_user_op
-def ld_cluster_v4_f32(addr: Int32, *, loc=None, ip=None):
-    """A 16-byte load of four floats from a shared::cluster address."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 def cluster_sync(release: bool) -> None:
@@ -162,8 +131,8 @@ def merge_slice(
     x = Float32(-math.inf)
     ml = Float32(-math.inf)
     if s < n:
-        x = ld_cluster_f32(dev.mapa_shared(stats_addr + 4 * row, s))
-        ml = ld_cluster_f32(dev.mapa_shared(stats_addr + 4 * (n_rows + row), s))
+        x = dev.ld_cluster_f32(dev.mapa_shared(stats_addr + 4 * row, s))
+        ml = dev.ld_cluster_f32(dev.mapa_shared(stats_addr + 4 * (n_rows + row), s))
     xl = Float32(cutlass.select_(x < Float32(math.inf), x * dev.LOG2E, Float32(-math.inf)))
     m = xl
     for off in bfly_offsets(seg):
@@ -189,7 +158,7 @@ def merge_slice(
             if cutlass.const_expr(bf16):
                 v = dev.ld_cluster_v4_bf16x2_f32(base + k * tph * 16)
             else:
-                v = ld_cluster_v4_f32(base + k * tph * 16)
+                v = dev.ld_cluster_v4_f32(base + k * tph * 16)
             for q in cutlass.range_constexpr(vec):
                 acc[k * vec + q] = acc[k * vec + q] + Float32(cutlass.select_(w > Float32(0.0), w * v[q],
                                                                               Float32(0.0)))

@@ -641,23 +641,44 @@ def st_async_v4_b32(remote_addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint
     )
 
 
-def _ld_v4_bf16x2_f32(space: str, addr, loc, ip):
-    """``ld.<space>.v4.b32`` of eight bf16 (four words, low half first), widened to eight floats
-    (side effects: kept in program order)."""
+def _load_f32s(ptx: str, n: int, addr, loc, ip):
+    """``n`` floats out of one inline-asm load from a 32-bit (shared / shared::cluster) address
+    (operand ``$n``), with side effects: kept in program order (after the barrier or mbarrier wait
+    that publishes the data).  One float: a Float32; more: a tuple."""
     res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 8),
+        T.f32() if n == 1 else llvm.StructType.get_literal([T.f32()] * n),
         [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 w<4>;\n\tld." + space + ".v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
-        "shl.b32 $0, w0, 16;\n\tand.b32 $1, w0, 0xffff0000;\n\t"
-        "shl.b32 $2, w1, 16;\n\tand.b32 $3, w1, 0xffff0000;\n\t"
-        "shl.b32 $4, w2, 16;\n\tand.b32 $5, w2, 0xffff0000;\n\t"
-        "shl.b32 $6, w3, 16;\n\tand.b32 $7, w3, 0xffff0000;\n\t}",
-        "=f,=f,=f,=f,=f,=f,=f,=f,r",
+        ptx,
+        ",".join(["=f"] * n + ["r"]),
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(8))
+    if n == 1:
+        return Float32(res)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n))
+
+
+def _ld_v4_bf16x2_f32(space: str, addr, loc, ip):
+    """``ld.<space>.v4.b32`` of eight bf16 (four words, low half first), widened to eight floats."""
+    return _load_f32s(
+        "{\n\t.reg .b32 w<4>;\n\tld." + space + ".v4.b32 {w0, w1, w2, w3}, [$8];\n\t"
+        "shl.b32 $0, w0, 16;\n\tand.b32 $1, w0, 0xffff0000;\n\t"
+        "shl.b32 $2, w1, 16;\n\tand.b32 $3, w1, 0xffff0000;\n\t"
+        "shl.b32 $4, w2, 16;\n\tand.b32 $5, w2, 0xffff0000;\n\t"
+        "shl.b32 $6, w3, 16;\n\tand.b32 $7, w3, 0xffff0000;\n\t}", 8, addr, loc, ip)
+
+
+@dsl_user_op
+def ld_cluster_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
+    """A 4-byte load from a shared::cluster address (:func:`mapa_shared`)."""
+    return _load_f32s("ld.shared::cluster.f32 $0, [$1];", 1, addr, loc, ip)
+
+
+@dsl_user_op
+def ld_cluster_v4_f32(addr: Int32, *, loc=None, ip=None):
+    """A 16-byte load of four floats from a shared::cluster address."""
+    return _load_f32s("ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];", 4, addr, loc, ip)
 
 
 @dsl_user_op
