@@ -129,9 +129,9 @@ ENV_SCORE_HEADSUM = "MLA_KERNELS_INDEXER_SCORE_HEADSUM"
 #: ``0``: the loss kernels load each block's indices (and targets) when the block needs them (the
 #: first version) instead of one block ahead.
 ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
-#: ``1``: the loss forward visits each query's slot blocks from block ``t mod n`` on (rotated), so
-#: that concurrent CTAs gather from different bands of keys; bitwise the same outputs.  Off by
-#: default until measured (``indexer_loss_fwd.py``).
+#: ``0``: the loss forward visits each query's slot blocks in order instead of from block ``t mod n``
+#: on (rotated, the default: concurrent CTAs gather from different bands of keys; bitwise the same
+#: outputs; ``indexer_loss_fwd.py``, :func:`_loss_rotate`).
 ENV_LOSS_ROTATE = "MLA_KERNELS_INDEXER_LOSS_ROTATE"
 #: Independent FMA chains per head sum in the score and loss kernels (default 1, the serial chain
 #: = :data:`~mla_kernels.common.indexer_device.SUM_PARTS`; 2 / 4 / 8 split it, see docs/PERF.md).
@@ -220,6 +220,14 @@ def _compile_score(fp8, h, d, arch, w_regs, parts=1, hist=False, pingpong=False,
                          head_sum=head_sum)
 
 
+def _env_flag(name: str, default: str) -> bool:
+    """A ``0`` / ``1`` setting (unset or empty: ``default``); anything else is refused."""
+    v = os.environ.get(name, default).strip() or default
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 def score_head_sum() -> str:
     """The score kernel's head-sum arithmetic for this call (:data:`ENV_SCORE_HEADSUM`)."""
     v = os.environ.get(ENV_SCORE_HEADSUM, "f32").strip().lower() or "f32"
@@ -230,10 +238,7 @@ def score_head_sum() -> str:
 
 def score_pingpong() -> bool:
     """Whether the score kernel's warpgroups take turns issuing their MMAs (:data:`ENV_SCORE_PINGPONG`)."""
-    v = os.environ.get(ENV_SCORE_PINGPONG, "0").strip() or "0"
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV_SCORE_PINGPONG}={v!r}: expected 0 or 1")
-    return v == "1"
+    return _env_flag(ENV_SCORE_PINGPONG, "0")
 
 
 def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False, row_cap=0, min_ctas=0, map_words=8192,
@@ -264,10 +269,7 @@ def _loss_rotate() -> bool:
     """The loss forward visits query t's slot blocks from block ``t mod n`` (default on: H200,
     S 32k, loss forward 3.94 -> 3.43 ms, forward + backward 15.87 -> 15.64 ms; bitwise the same
     outputs)."""
-    v = os.environ.get(ENV_LOSS_ROTATE, "1").strip() or "1"
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV_LOSS_ROTATE}={v!r}: expected 0 or 1")
-    return v == "1"
+    return _env_flag(ENV_LOSS_ROTATE, "1")
 
 
 def topk_hist(p) -> str:
@@ -297,10 +299,7 @@ def _score_fn(p, hist: str = ""):
 
 def topk_smem() -> bool:
     """Whether :func:`topk_variant` may choose rows in shared memory (:data:`ENV_TOPK_SMEM`)."""
-    v = os.environ.get(ENV_TOPK_SMEM, "1").strip() or "1"
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV_TOPK_SMEM}={v!r}: expected 0 or 1")
-    return v == "1"
+    return _env_flag(ENV_TOPK_SMEM, "1")
 
 
 def topk_variant(longest: int, topk: int) -> str:
