@@ -355,3 +355,58 @@ def test_loss_backward_inactive_rows_with_huge_logits_give_zero_not_nan():
     for t in (dq, dk, dw):
         assert torch.isfinite(t).all()
     assert (dq[1] == 0).all() and (dw[1] == 0).all()
+
+
+def test_online_kl_sums_equal_the_reference():
+    """The sm90 loss forward's ``online`` variant forms, per thread over its slots, a running max
+    ``m``, ``e = sum exp(I - m)`` and the sums ``tsum``, ``a = sum tg log tg``, ``b = sum tg I``,
+    ``c = sum tg`` (slots with tg > 0), then merges the threads and takes
+    ``loss = inv (a - b) + inv c (log inv + lse)``, ``inv = 1 / tsum``
+    (``common.indexer_device.kl_terms`` / ``online_lse_update``).  The same arithmetic here in
+    float32 (32 "threads", slots in a rotated order, zero / invalid targets, an empty row) equals
+    the float64 reference loss and lse to float32 rounding."""
+    g = torch.Generator().manual_seed(3)
+    s_q, s_kv, topk = 7, 300, 256
+    q = torch.randn(s_q, 64, 32, generator=g, dtype=torch.float64) / 4
+    k = torch.randn(s_kv, 32, generator=g, dtype=torch.float64) / 4
+    w = torch.randn(s_q, 64, generator=g, dtype=torch.float64) / 8
+    idx = torch.randint(-2, s_kv, (s_q, topk), generator=g).int()
+    idx[0] = -1
+    tgt = torch.rand(s_q, topk, generator=g, dtype=torch.float64) * (torch.rand(s_q, topk, generator=g) < 0.8)
+    want, want_lse, _ = ref.indexer_loss_fwd_ref(q, k, w, idx, tgt, 0.3)
+    valid = (idx >= 0) & (idx < s_kv)
+    logits = torch.einsum("thd,sd->ths", q, k).clamp_min(0).mul(w[..., None]).sum(1) * 0.3
+    for t in range(s_q):
+        x_all = torch.where(valid[t], logits[t, idx[t].clamp_min(0).long()], torch.tensor(float("-inf"),
+                            dtype=torch.float64)).float()
+        tg_all = tgt[t].float()
+        st = []
+        for th in range(32):  # thread th: slots th, th + 32, ... visited from a rotated start
+            m, e = torch.tensor(float("-inf")), torch.tensor(0.0)
+            tsum, a, b, c = (torch.tensor(0.0) for _ in range(4))
+            slots = list(range(th, topk, 32))
+            slots = slots[t % len(slots):] + slots[: t % len(slots)]
+            for j in slots:
+                x, ok = x_all[j], bool(valid[t, j])
+                tg = tg_all[j] if ok else torch.tensor(0.0)
+                tsum = tsum + tg
+                if tg > 0:
+                    a, b, c = a + tg * torch.log(tg), b + tg * x, c + tg
+                mn = torch.maximum(m, x)
+                ms = torch.tensor(0.0) if mn == float("-inf") else mn
+                e = e * torch.exp(m - ms) + torch.exp(x - ms)
+                m = mn
+            st.append((m, e, tsum, a, b, c))
+        mx = max(s[0] for s in st)
+        ms = torch.tensor(0.0) if mx == float("-inf") else mx
+        esum = sum(s[1] * torch.exp(s[0] - ms) for s in st)
+        tsum, a, b, c = (sum(s[i] for s in st) for i in range(2, 6))
+        active = bool(mx != float("-inf")) and bool(tsum > 0)
+        if not active:
+            assert want[t] == 0
+            continue
+        lse = ms + torch.log(esum)
+        inv = 1.0 / tsum
+        loss = inv * (a - b) + inv * c * (torch.log(inv) + lse)
+        assert abs(float(lse) - float(want_lse[t])) <= 1e-5 * (1 + abs(float(want_lse[t])))
+        assert abs(float(loss) - float(want[t])) <= 1e-5 * (1 + abs(float(want[t]))), (t, float(loss), float(want[t]))

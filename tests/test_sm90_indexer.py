@@ -709,18 +709,22 @@ def test_loss_prefetch_matches_the_first_version(d, tl, monkeypatch):
     assert rel_l2(out["1"][0].float(), want) <= 1e-3
 
 
-@pytest.mark.parametrize("d,tl,topk,pf", [(128, True, 300, "1"), (64, False, 300, "1"), (64, True, 4100, "1"),
-                                         (128, True, 300, "0")])
-def test_loss_forward_rotated_blocks_bitwise(d, tl, topk, pf, monkeypatch):
+@pytest.mark.parametrize("d,tl,topk,pf,var", [(128, True, 300, "1", "smem"), (64, False, 300, "1", "raw"),
+                                             (64, True, 4100, "1", "smem"), (128, True, 300, "0", "smem"),
+                                             (128, True, 300, "1", "raw")])
+def test_loss_forward_rotated_blocks_bitwise(d, tl, topk, pf, var, monkeypatch):
     """MLA_KERNELS_INDEXER_LOSS_ROTATE=1 (each query visits its slot blocks from block
-    ``t mod n``): the logits land in the same slots and every reduction runs after the blocks,
-    so the loss rows and (through lse and 1/tsum) the deterministic gradients are bitwise those
-    of the ascending visit -- partial last blocks, topk_length, invalid / duplicate slots, an
-    empty row, with and without the one-block-ahead loads."""
+    ``t mod n``) with the forward variants that keep the row's logits in smem (``smem``, ``raw``):
+    the logits land in the same slots and every reduction runs after the blocks, so the loss rows
+    and (through lse and 1/tsum) the deterministic gradients are bitwise those of the ascending
+    visit -- partial last blocks, topk_length, invalid / duplicate slots, an empty row, with and
+    without the one-block-ahead loads.  (The ``online`` variants sum in visiting order:
+    test_loss_forward_variants.)"""
     from mla_kernels.sm90 import indexer_host
 
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, pf)
+    monkeypatch.setenv(indexer_host.ENV_LOSS_FWD, var)
     s_q = 150 if topk < 1000 else 64
     q, k, w, idx, tgt, lens = loss_case(s_q, 700, topk, d, seed=19, tl=tl)
     g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(6)).cuda()
@@ -734,6 +738,41 @@ def test_loss_forward_rotated_blocks_bitwise(d, tl, topk, pf, monkeypatch):
         assert torch.equal(a, b)
     want = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)[0]
     assert rel_l2(out["1"][0].float(), want) <= 1e-3
+
+
+@pytest.mark.parametrize("s_q,s_kv,topk,d,tl", [(150, 700, 300, 128, True), (64, 500, 4100, 64, True),
+                                              (97, 1000, 200, 128, False)])
+def test_loss_forward_variants(s_q, s_kv, topk, d, tl, monkeypatch):
+    """Every loss forward variant (MLA_KERNELS_INDEXER_LOSS_FWD) against the float64 reference
+    (loss rows, and lse / 1/tsum through the deterministic gradients): ``raw`` (deferred index
+    use) bitwise ``smem``; ``online`` / ``online4`` (softmax and KL sums in the block loop) within
+    float32 rounding of ``smem``, rotated or not; invalid / duplicate slots, an empty row, a zero
+    target sum, topk_length, topk beyond 4096."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    q, k, w, idx, tgt, lens = loss_case(s_q, s_kv, topk, d, seed=23, tl=tl)
+    g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(7)).cuda()
+    want = ref.indexer_loss_fwd_ref(q.double(), k.double(), w.double(), idx, tgt.double(), d ** -0.5, lens)[0]
+    out = {}
+    for var in indexer_host.LOSS_FWD_VARIANTS:
+        for rot in ("1", "0"):
+            monkeypatch.setenv(indexer_host.ENV_LOSS_FWD, var)
+            monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, rot)
+            rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
+            out[var, rot] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+    torch.cuda.synchronize()
+    for rot in ("1", "0"):
+        for a, b in zip(out["raw", rot], out["smem", rot]):
+            assert torch.equal(a, b), "raw must be bitwise smem"
+    for key, (rows, dq, dk, dw) in out.items():
+        assert not torch.isnan(rows).any() and rows[0] == 0 and rows[2 % s_q] == 0, key
+        err = (rows.double() - want).abs()
+        assert (err <= 1e-4 * (1 + want.abs())).all(), f"{key}: max err {err.max().item():.3g}"
+        base = out["smem", "0"]
+        assert (rows - base[0]).abs().max().item() <= 1e-5 * (1 + base[0].abs().max().item()), key
+        for a, b in zip((dq, dk, dw), base[1:]):
+            assert rel_l2(a.float(), b.float()) <= 1e-3, key  # lse and 1/tsum agree to rounding
 
 
 @pytest.mark.parametrize("mag", [2.0 ** -30, 2.0 ** 24])

@@ -77,7 +77,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "head sum); score_profile also times _pp and _bf16x2sum copies; topk_nosmem (both top-k rows "
                          "with MLA_KERNELS_INDEXER_TOPK_SMEM=0: no select variant with rows in shared memory), topk_base "
                          "(both top-k rows with MLA_KERNELS_INDEXER_TOPK_VARIANT=base: the select kernel before its "
-                         "variants, every block))")
+                         "variants, every block), loss_fwd_variants (the loss forward and forward + backward with each "
+                         "MLA_KERNELS_INDEXER_LOSS_FWD variant, rows *_fwd<variant>, two interleaved rounds))")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. cudnn-frontend-1.32.0-slim.tar.xz): "
                          "unpacked once into $TMPDIR/mlak_peer and put on sys.path")
@@ -301,7 +302,7 @@ def rows(args):
         if "score_profile_old" in mine and cuda:
             _score_profile(out, S, TOPK, sets, args, scale, fl_scores, old=True)
         loss_cases = ("loss", "loss_det", "loss_bulk", "loss_bf16dk", "loss_det_modes", "loss_nodk", "loss_noprefetch",
-                      "loss_shuffled", "loss_rotate")
+                      "loss_shuffled", "loss_rotate", "loss_fwd_variants")
         if any(c in mine for c in loss_cases):
             idx, ln = mk.indexer_topk(sets[0]["q"], sets[0]["k"], sets[0]["w"], TOPK, sm_scale=scale)
             g = torch.Generator(device=dev).manual_seed(1)
@@ -360,6 +361,10 @@ def rows(args):
                 _row(out, "loss_fwd_bwd" + tag, ours, S, TOPK, med, ts, 4 * fl_pass, _peak_mib(fwd_bwd))
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
+            os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
+            os.environ.pop("MLA_KERNELS_INDEXER_LOSS_ROTATE", None)
+            if "loss_fwd_variants" in mine and cuda:
+                _loss_fwd_variants(out, S, TOPK, leaves, idx_sorted, tgt_sorted, ln, scale, args, fl_pass)
             if "loss_bf16dk" in mine and cuda:
                 _dk_error(leaves[0], idx_sorted, tgt_sorted, ln, scale)
             os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
@@ -371,6 +376,45 @@ def rows(args):
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+def _loss_fwd_variants(out, S, TOPK, leaves, idx, tgt, ln, scale, args, fl_pass, rounds=2):
+    """The loss forward (and forward + backward) with each ``MLA_KERNELS_INDEXER_LOSS_FWD`` variant,
+    ``rounds`` interleaved rounds in this process (the A/B of issue 19), and each variant's loss
+    rows against the ``smem`` variant's (max relative difference, printed)."""
+    from mla_kernels.sm90 import indexer_host as ih
+
+    ref_rows = {}
+    for rnd in range(rounds):
+        for var in ("smem",) + tuple(v for v in ih.LOSS_FWD_VARIANTS if v != "smem"):
+            os.environ[ih.ENV_LOSS_FWD] = var
+
+            def fwd(i):
+                s = leaves[i]
+                with torch.no_grad():
+                    return mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
+                                           reduction="none")
+
+            def fwd_bwd(i):
+                s = leaves[i]
+                for x in s.values():
+                    x.grad = None
+                loss = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln)
+                loss.backward()
+                return loss
+
+            if rnd == 0:
+                ref_rows[var] = fwd(0).clone()
+            med, ts = _time(fwd, args.sets, args.warmup, args.reps)
+            _row(out, f"loss_fwd_fwd{var}", "ours", S, TOPK, med, ts, fl_pass, note=f"round {rnd}")
+            med, ts = _time(fwd_bwd, args.sets, args.warmup, args.reps)
+            _row(out, f"loss_fwd_bwd_fwd{var}", "ours", S, TOPK, med, ts, 4 * fl_pass, note=f"round {rnd}")
+    os.environ.pop(ih.ENV_LOSS_FWD, None)
+    base = ref_rows["smem"]
+    for var, rows in ref_rows.items():
+        d = ((rows - base).abs() / (1 + base.abs())).max().item()
+        print(f"  loss rows {var} vs smem: max |diff| / (1 + |row|) {d:.3e}; mean loss {rows.mean().item():.6f}",
+              flush=True)
 
 
 def _packed_error(S, TOPK, sets, scale, n_logit_rows=2048, n_rows=512):

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Run the sm90 indexer kernels (scores bf16 / fp8, the top-k kernel on every path of its
-selection -- rows held in shared memory and rows read from global memory --, loss forward, backward with atomic / bulk-reduce dk and every deterministic dk mode) under
+selection -- rows held in shared memory and rows read from global memory --, loss forward (every
+variant), backward with atomic / bulk-reduce dk and every deterministic dk mode) under
 compute-sanitizer's memcheck, racecheck and synccheck.
 
   python tools/sanitize_indexer.py [--tools memcheck,racecheck,synccheck] [--log-dir DIR]
@@ -157,11 +158,18 @@ def workload() -> int:
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
-    def loss_fwd():
-        rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=0.1, topk_length=tl, reduction="none")
+    def loss_fwd(var=""):
+        if var:
+            os.environ[indexer_host.ENV_LOSS_FWD] = var
+        try:
+            rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=0.1, topk_length=tl, reduction="none")
+        finally:
+            os.environ.pop(indexer_host.ENV_LOSS_FWD, None)
         return rel(rows, ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, 0.1, tl)[0]) < 1e-4
 
-    step("loss fwd", loss_fwd)
+    step("loss fwd", loss_fwd)  # the default variant
+    for var in indexer_host.LOSS_FWD_VARIANTS:
+        step(f"loss fwd variant={var}", lambda var=var: loss_fwd(var))
     modes = (("red", False), ("bulk", False), ("red_bf16", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
              ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True))
     for mode, det in modes:

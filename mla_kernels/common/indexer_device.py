@@ -343,3 +343,71 @@ class SparseKeyRing:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
 
+
+
+class SparseKeyRingRaw(SparseKeyRing):
+    """:class:`SparseKeyRing` whose one-block-ahead index loads are consumed one issue later.
+
+    :class:`SparseKeyRing` with ``prefetch`` loads the next block's indices when it issues a block,
+    but forms their validity flags and source addresses right after the loads, in the same issue:
+    the thread waits there for the loads (Nsight Compute, H100, S 32k: the loss forward's largest
+    stall, 23% of its warp samples, at the ``ISETP`` of that validity check).  Here an issue only
+    *loads* the next block's raw indices (:meth:`KvGather.fetch_raw`, one Int32 register per row of
+    the thread) and the next issue turns them into flags and addresses
+    (:meth:`KvGather.indices_from_raw`) just before its copies: a block of work lies between a
+    load and its first use.  The same copies from the same addresses (bitwise the same smem
+    tiles), in the same issue order (``rot`` as in :class:`SparseKeyRing`).
+
+    ``slots`` (1 or 2) register slots of raw indices: with 1 the loop carries them from one
+    iteration to the next (ptxas then copies the loaded registers at the loop's end, which waits
+    for the loads there); with 2 a loop unrolled by two issues alternately from slot 0 and slot 1
+    (``slot`` of :meth:`issue`, a constant: block ``b`` in slot ``b % 2``) and nothing is copied."""
+
+    def __init__(self, mK, mIdx, t, topk_len, tidx, d: int, stages: int, base_addr: Int32, rot=None, num_blocks=None,
+                 slots: int = 1):
+        assert slots in (1, 2)
+        # (the parent's ``prefetch`` only sizes the gather's address slots here: one per raw slot)
+        super().__init__(mK, mIdx, t, topk_len, tidx, d, stages, base_addr, slots == 2, rot, num_blocks)
+        self.slots = slots
+        self.raw = cute.make_rmem_tensor((slots * self.gather.rows_per_thread,), Int32)
+
+    @cute.jit
+    def start(self) -> None:
+        """Load block 0's raw indices into slot 0 (call once, before the first :meth:`issue`)."""
+        self.gather.fetch_raw(self.raw, self.phys(Int32(0)), 0)
+
+    @cute.jit
+    def issue(self, block: Int32, num_blocks: Int32, slot: cutlass.Constexpr = 0) -> None:
+        """cp.async block ``block`` (flags and addresses from the raw indices in ``slot``, loaded by
+        the previous call) into stage ``block % stages`` (nothing past the last block), load the
+        raw indices of block ``block + 1`` into the other slot (a clamped slot past ``topk``:
+        invalidated when it is used), then commit a group.  Blocks come in order from 0; with 2
+        slots block ``b`` must be issued with ``slot = b % 2``."""
+        g = self.gather
+        g.indices_from_raw(self.raw, self.phys(block), slot)
+        g.fetch_raw(self.raw, self.phys(block + 1), (slot + 1) % self.slots)
+        if block < num_blocks:
+            g.copy_tiles(self.base + (block % self.stages) * self.stage_bytes, slot, 0, self.n_tiles)
+        cute.arch.cp_async_commit_group()
+
+
+def kl_terms(x: Float32, tg: Float32, ok, tsum: Float32, a: Float32, b: Float32, c: Float32):
+    """One slot's contribution to the loss forward's running sums (``ok``: the slot is valid, ``x``
+    its logit, ``tg`` its target): ``tsum += tg`` (valid slots), and over the valid slots with
+    ``tg > 0``: ``a += tg log tg``, ``b += tg x``, ``c += tg``.  Then with ``inv = 1 / tsum``
+    ``sum_{p > 0} p (log p - x + lse) = inv (a - b) + inv c (log inv + lse)`` (``p = tg inv``)."""
+    tg_v = Float32(cutlass.select_(ok, tg, Float32(0.0)))
+    pos = tg_v > Float32(0.0)
+    tg_p = Float32(cutlass.select_(pos, tg_v, Float32(0.0)))
+    lg = cute.math.log(Float32(cutlass.select_(pos, tg_v, Float32(1.0))))
+    xs = Float32(cutlass.select_(pos, x, Float32(0.0)))  # x may be -inf only where ok is false
+    return tsum + tg_v, a + tg_p * lg, b + tg_p * xs, c + tg_p
+
+
+def online_lse_update(m: Float32, e: Float32, x0: Float32, x1: Float32):
+    """``(m, e)`` with ``e = sum exp(x - m)`` over the logits seen so far (``m`` their max, ``-inf``
+    and ``e = 0`` before any finite one) updated by two more logits (``-inf`` for invalid slots)."""
+    mn = cute.arch.fmax(m, cute.arch.fmax(x0, x1))
+    ms = Float32(cutlass.select_(mn == Float32(-math.inf), Float32(0.0), mn))
+    e = e * cute.math.exp(m - ms) + cute.math.exp(x0 - ms) + cute.math.exp(x1 - ms)
+    return mn, e

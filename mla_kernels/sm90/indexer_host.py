@@ -133,6 +133,13 @@ ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
 #: on (rotated, the default: concurrent CTAs gather from different bands of keys; bitwise the same
 #: outputs; ``indexer_loss_fwd.py``, :func:`_loss_rotate`).
 ENV_LOSS_ROTATE = "MLA_KERNELS_INDEXER_LOSS_ROTATE"
+#: The loss forward's variant (``indexer_loss_fwd.VARIANTS``): ``online`` (default: the softmax and
+#: KL sums formed in the block loop, the gather's indices used a block after their loads, weights
+#: in registers), ``online4`` (the same with 4 CTAs per SM), ``raw`` (the logits row in smem as
+#: before, with the deferred index use), ``smem`` (the version before, issue 19's profile).
+ENV_LOSS_FWD = "MLA_KERNELS_INDEXER_LOSS_FWD"
+LOSS_FWD_VARIANTS = ("online", "online4", "raw", "smem")
+LOSS_FWD_DEFAULT = "online"
 #: Independent FMA chains per head sum in the score and loss kernels (default 1, the serial chain
 #: = :data:`~mla_kernels.common.indexer_device.SUM_PARTS`; 2 / 4 / 8 split it, see docs/PERF.md).
 ENV_SUM_PARTS = "MLA_KERNELS_INDEXER_SUM_PARTS"
@@ -249,10 +256,10 @@ def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False, row_cap=0,
                         min_ctas=min_ctas, map_words=map_words, row_unroll=row_unroll)
 
 
-def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1, rotate=False):
+def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1, rotate=False, variant=LOSS_FWD_DEFAULT):
     from .indexer_loss_fwd import compile_loss_fwd
 
-    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts, rotate=rotate)
+    return compile_loss_fwd(d, has_tl, cap, arch, prefetch=prefetch, sum_parts=parts, rotate=rotate, variant=variant)
 
 
 def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts=1):
@@ -263,6 +270,15 @@ def _compile_loss_bwd(d, has_tl, deterministic, arch, mode, prefetch=True, parts
 
 def _loss_prefetch() -> bool:
     return os.environ.get(ENV_LOSS_PREFETCH, "1").strip() != "0"
+
+
+def loss_fwd_variant() -> str:
+    """The loss forward's variant for this call (:data:`ENV_LOSS_FWD`, default
+    :data:`LOSS_FWD_DEFAULT`)."""
+    v = os.environ.get(ENV_LOSS_FWD, "").strip().lower() or LOSS_FWD_DEFAULT
+    if v not in LOSS_FWD_VARIANTS:
+        raise ValueError(f"{ENV_LOSS_FWD}={v!r}: expected one of {', '.join(LOSS_FWD_VARIANTS)}")
+    return v
 
 
 def _loss_rotate() -> bool:
@@ -438,9 +454,11 @@ def run_loss_fwd(p):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     cap = 2048 if topk_p <= 2048 else MAX_TOPK
     has_tl, arch = p.topk_length is not None, _arch(p)
-    pf, parts, rot = _loss_prefetch(), sum_parts(), _loss_rotate()
-    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, parts, rot, arch),
-                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf, parts, rot))
+    pf, parts, rot, var = _loss_prefetch(), sum_parts(), _loss_rotate(), loss_fwd_variant()
+    if var.startswith("online"):
+        cap = 64  # no logits row in smem: one compile for every topk
+    fn = cached(("IndexerLossFwdSm90", p.d, has_tl, cap, pf, parts, rot, var, arch),
+                lambda: _compile_loss_fwd(p.d, has_tl, cap, arch, pf, parts, rot, var))
     loss = host.alloc((p.s_q,), torch.float32, p.device)
     lse = host.alloc((p.s_q,), torch.float32, p.device)
     inv = host.alloc((p.s_q,), torch.float32, p.device)
