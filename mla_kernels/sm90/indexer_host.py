@@ -131,15 +131,19 @@ ENV_SCORE_HEADSUM = "MLA_KERNELS_INDEXER_SCORE_HEADSUM"
 ENV_LOSS_PREFETCH = "MLA_KERNELS_INDEXER_LOSS_PREFETCH"
 #: ``0``: the loss forward visits each query's slot blocks in order instead of from block ``t mod n``
 #: on (rotated, the default: concurrent CTAs gather from different bands of keys; bitwise the same
-#: outputs; ``indexer_loss_fwd.py``, :func:`_loss_rotate`).
+#: outputs with the ``smem`` / ``raw`` forward variants, the same to float32 rounding with the
+#: ``online*`` ones, whose sums follow the visiting order; ``indexer_loss_fwd.py``, :func:`_loss_rotate`).
 ENV_LOSS_ROTATE = "MLA_KERNELS_INDEXER_LOSS_ROTATE"
-#: The loss forward's variant (``indexer_loss_fwd.VARIANTS``): ``online`` (default: the softmax and
+#: The loss forward's variant (``indexer_loss_fwd.VARIANTS``): ``online4`` (default: the softmax and
 #: KL sums formed in the block loop, the gather's indices used a block after their loads, weights
-#: in registers), ``online4`` (the same with 4 CTAs per SM), ``raw`` (the logits row in smem as
-#: before, with the deferred index use), ``smem`` (the version before, issue 19's profile).
+#: in registers, 2 key stages: 4 CTAs per SM), ``online`` (the same with 3 stages, 3 CTAs per SM),
+#: ``raw`` (the logits row in smem as before, with the deferred index use), ``smem`` (the version
+#: before, issue 19's profile).  H200, S 32k, two interleaved rounds in one process (docs/PERF.md):
+#: forward smem 3.60 / 3.46 ms, raw 3.24 / 3.33, online 3.29 / 3.45, **online4 2.91 / 3.11**;
+#: forward + backward 15.62 / 15.55, 15.32 / 15.34, 15.39 / 16.48, **15.13 / 15.28**.
 ENV_LOSS_FWD = "MLA_KERNELS_INDEXER_LOSS_FWD"
-LOSS_FWD_VARIANTS = ("online", "online4", "raw", "smem")
-LOSS_FWD_DEFAULT = "online"
+LOSS_FWD_VARIANTS = ("online4", "online", "raw", "smem")
+LOSS_FWD_DEFAULT = "online4"
 #: Independent FMA chains per head sum in the score and loss kernels (default 1, the serial chain
 #: = :data:`~mla_kernels.common.indexer_device.SUM_PARTS`; 2 / 4 / 8 split it, see docs/PERF.md).
 ENV_SUM_PARTS = "MLA_KERNELS_INDEXER_SUM_PARTS"

@@ -23,6 +23,16 @@ the forward took 3.88 ms on slots in random order vs 4.15 in ``indexer_topk``'s 
 The logits land in their slots as before and every reduction runs after the blocks over the
 slots in index order, so the outputs are bitwise those without it.
 
+Variants (``variant``, :data:`VARIANTS`; issue 19's profile and measurements in docs/PERF.md): the
+default ``online4`` forms the softmax and KL sums in the block loop instead of keeping the row's
+logits in shared memory for passes after the blocks (``lse`` by a running max and rescaled sum per
+thread; ``loss = inv (a - b) + inv c (log inv + lse)`` from ``a = sum tg log tg``, ``b = sum tg I``,
+``c = sum tg`` over the slots with a positive target), holds the weights in registers, uses the
+gather's indices a block after their loads (:class:`~mla_kernels.common.indexer_device.SparseKeyRingRaw`,
+loop unrolled by two so that no loaded register is copied) and runs 4 CTAs per SM (2 key
+stages); its sums follow the visiting order, so its rows match the ``smem`` variant's to float32
+rounding (not bitwise, rotated or not).
+
 ``w_eff = weights * sm_scale`` comes from the host; ``topk`` is padded to a multiple of 64 (slots
 -1, target 0) and at most ``topk_cap`` (<= :data:`MAX_TOPK`; 2048 keeps smem at 72 KB, three
 CTAs per SM).
@@ -56,16 +66,16 @@ BAR_RED = 2
 #: ``raw`` -- the same with the gather's indices used one issue after their loads
 #: (:class:`~mla_kernels.common.indexer_device.SparseKeyRingRaw`; bitwise the same outputs);
 #: ``online`` -- ``raw`` plus the softmax / KL sums formed in the block loop (:meth:`_online`),
-#: the weights in registers, no logits row in smem; ``online4`` -- ``online`` with one key stage
-#: fewer (four CTAs per SM instead of three, d 128).
-VARIANTS = ("smem", "raw", "online", "online4")
+#: the weights in registers, no logits row in smem; ``online4`` (the default, fastest measured) --
+#: ``online`` with one key stage fewer (four CTAs per SM instead of three, d 128).
+VARIANTS = ("online4", "online", "raw", "smem")
 
 
 class IndexerLossFwdSm90:
     """Static configuration (d, whether topk_length is given) + launcher + kernel."""
 
     def __init__(self, d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, prefetch: bool = True,
-                 sum_parts: int = idev.SUM_PARTS, rotate: bool = False, variant: str = "online"):
+                 sum_parts: int = idev.SUM_PARTS, rotate: bool = False, variant: str = "online4"):
         if d not in (64, 128):
             raise ValueError(f"sm90 indexer loss takes d_idx 64 or 128, got {d}")
         if topk_cap % B_TOPK or not 0 < topk_cap <= MAX_TOPK:
@@ -372,7 +382,7 @@ def loss_fake_args(d: int, extra):
 
 
 def compile_loss_fwd(d: int, has_topk_length: bool, topk_cap: int = MAX_TOPK, arch: str = "sm_90a",
-                     prefetch: bool = True, sum_parts: int = 1, rotate: bool = False, variant: str = "online", **kw):
+                     prefetch: bool = True, sum_parts: int = 1, rotate: bool = False, variant: str = "online4", **kw):
     """Compile the loss forward for one static configuration (no GPU needed)."""
     from .. import _compile
     from ..common import host
