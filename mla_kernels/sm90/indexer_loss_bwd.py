@@ -43,14 +43,14 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from ..common import device as dev
 from ..common import indexer_device as idev
 from ..common.gather import copy_dense_rows
-from .indexer_loss_fwd import B_TOPK, H, loss_fake_args
+from .indexer_loss_fwd import B_TOPK, H, block_scores, loss_fake_args
 
 THREADS = 128
 BAR_RING = 1
@@ -239,13 +239,7 @@ class IndexerLossBwdSm90:
                     self._load_slots(rIdx, rTgt, mIdx, mTarget, t, b + 1, row0, topk)
             ring.issue(b + self.stages - 1, num_blocks)
             ring.wait(BAR_RING)
-            mma_b = self._mma(K_MAJ, K_MAJ, H)
-            cute.nvgpu.warpgroup.fence()
-            for k in cutlass.range_constexpr(self.d // 16):
-                mma_b.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(mma_b, acc_s, tSrK[None, None, k, stage], tSrQ[None, None, k], acc_s)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+            block_scores(self._mma(K_MAJ, K_MAJ, H), acc_s, tSrK, tSrQ, stage, self.d)
 
             # dI per row of this thread (rows row0 and row0 + 8)
             s0, s1 = idev.weighted_relu_rows(acc_s, sW, Int32(0), 0, H, lane_quad, self.sum_parts)

@@ -203,7 +203,7 @@ class IndexerLossFwdSm90:
                             rIdx[r] = mIdx[t, ring.phys(b + 1) * B_TOPK + row0 + 8 * r]
                 ring.issue(b + self.stages - 1, num_blocks)
                 ring.wait(BAR_RING)
-                self._block_scores(acc, tSrK, tSrQ, b % self.stages)
+                block_scores(self._mma(), acc, tSrK, tSrQ, b % self.stages, self.d)
                 s0, s1 = idev.weighted_relu_rows(acc, sW, Int32(0), 0, H, lane_quad, self.sum_parts)
                 s0 = dev.quad_sum(s0)
                 s1 = dev.quad_sum(s1)
@@ -318,17 +318,6 @@ class IndexerLossFwdSm90:
             rTgt[2 * slot + r] = mTarget[t, j]
 
     @cute.jit
-    def _block_scores(self, acc, tSrK, tSrQ, stage):
-        """``S^T = K_sel q_t^T`` of the key block in ring stage ``stage`` into ``acc`` (waited for)."""
-        mma_b = self._mma()
-        cute.nvgpu.warpgroup.fence()
-        for k in cutlass.range_constexpr(self.d // 16):
-            mma_b.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma_b, acc, tSrK[None, None, k, stage], tSrQ[None, None, k], acc)
-        cute.nvgpu.warpgroup.commit_group()
-        cute.nvgpu.warpgroup.wait_group(0)
-
-    @cute.jit
     def _online_block(self, acc, tSrK, tSrQ, ring, rW, rIdx, rTgt, st, mIdx, mTarget, t, b, num_blocks, row0,
                       topk_len, s_kv, topk, slot: cutlass.Constexpr):
         """Block ``b`` (``slot = b % 2``) of :meth:`_online`."""
@@ -339,7 +328,7 @@ class IndexerLossFwdSm90:
         else:
             ring.issue(b + self.stages - 1, num_blocks)
         ring.wait(BAR_RING)
-        self._block_scores(acc, tSrK, tSrQ, b % self.stages)
+        block_scores(self._mma(), acc, tSrK, tSrQ, b % self.stages, self.d)
         s0, s1 = idev.weighted_relu_rows_reg(acc, rW, 0, H, self.sum_parts)
         s0 = dev.quad_sum(s0)
         s1 = dev.quad_sum(s1)
@@ -361,6 +350,19 @@ class IndexerLossFwdSm90:
         st[5] = sc
         # every thread's wgmma has read the stage the next iteration refills
         cute.arch.barrier(barrier_id=BAR_RING, number_of_threads=THREADS)
+
+@cute.jit
+def block_scores(mma: cute.TiledMma, acc: cute.Tensor, tSrK: cute.Tensor, tSrQ: cute.Tensor, stage,
+                 d: cutlass.Constexpr):
+    """``S^T = K_sel q_t^T`` of the key block in ring stage ``stage`` into ``acc``, waited for (both
+    loss kernels: 64 slots x 64 heads, ``d / 16`` k-steps of SS wgmma)."""
+    cute.nvgpu.warpgroup.fence()
+    for k in cutlass.range_constexpr(d // 16):
+        mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+        cute.gemm(mma, acc, tSrK[None, None, k, stage], tSrQ[None, None, k], acc)
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(0)
+
 
 def loss_fake_args(d: int, extra):
     """The arguments shared by the loss kernels' compiles: q, k, w, indices, topk_length, target."""
