@@ -588,6 +588,13 @@ def run_loss_grads(q, k, w, idx, tgt, lens, det, g_rows):
     return qq.grad, kk.grad, ww.grad
 
 
+def loss_rows_and_det_grads(q, k, w, idx, tgt, lens, g_rows):
+    """``(rows, dq, dk, dw)``: the loss rows (no autograd) and the deterministic gradients of
+    ``sum(rows * g_rows)`` -- what the bitwise comparisons between kernel settings compare."""
+    rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=q.shape[-1] ** -0.5, topk_length=lens, reduction="none")
+    return (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+
+
 @pytest.mark.parametrize("s_q,s_kv,topk,d,tl", [
     (9, 100, 64, 128, False),
     (150, 700, 300, 128, True),
@@ -700,8 +707,7 @@ def test_loss_prefetch_matches_the_first_version(d, tl, monkeypatch):
     out = {}
     for pf in ("1", "0"):
         monkeypatch.setenv(indexer_host.ENV_LOSS_PREFETCH, pf)
-        rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
-        out[pf] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+        out[pf] = loss_rows_and_det_grads(q, k, w, idx, tgt, lens, g_rows)
     torch.cuda.synchronize()
     for a, b in zip(out["1"], out["0"]):
         assert torch.equal(a, b)
@@ -731,8 +737,7 @@ def test_loss_forward_rotated_blocks_bitwise(d, tl, topk, pf, var, monkeypatch):
     out = {}
     for rot in ("1", "0"):
         monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, rot)
-        rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
-        out[rot] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+        out[rot] = loss_rows_and_det_grads(q, k, w, idx, tgt, lens, g_rows)
     torch.cuda.synchronize()
     for a, b in zip(out["1"], out["0"]):
         assert torch.equal(a, b)
@@ -759,8 +764,7 @@ def test_loss_forward_variants(s_q, s_kv, topk, d, tl, monkeypatch):
         for rot in ("1", "0"):
             monkeypatch.setenv(indexer_host.ENV_LOSS_FWD, var)
             monkeypatch.setenv(indexer_host.ENV_LOSS_ROTATE, rot)
-            rows = mk.indexer_loss(q, k, w, idx, tgt, sm_scale=d ** -0.5, topk_length=lens, reduction="none")
-            out[var, rot] = (rows,) + tuple(run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows))
+            out[var, rot] = loss_rows_and_det_grads(q, k, w, idx, tgt, lens, g_rows)
     torch.cuda.synchronize()
     for rot in ("1", "0"):
         for a, b in zip(out["raw", rot], out["smem", rot]):

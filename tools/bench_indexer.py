@@ -339,21 +339,7 @@ def rows(args):
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
                     "" if det and dk in ("noprefetch", "") else ("red" if dk in ("noprefetch", "") else dk))
 
-                def fwd(i, det=det):
-                    s = leaves[i]
-                    with torch.no_grad():
-                        return mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
-                                               deterministic=det)
-
-                def fwd_bwd(i, det=det):
-                    s = leaves[i]
-                    for x in s.values():
-                        x.grad = None
-                    loss = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
-                                           deterministic=det)
-                    loss.backward()
-                    return loss
-
+                fwd, fwd_bwd = _loss_calls(leaves, idx, tgt, ln, scale, deterministic=det)
                 if not det and dk in ("red", "noprefetch", ""):
                     med, ts = _time(fwd, args.sets, args.warmup, args.reps)
                     _row(out, "loss_fwd" + tag, ours, S, TOPK, med, ts, fl_pass, _peak_mib(fwd))
@@ -389,20 +375,8 @@ def _loss_fwd_variants(out, S, TOPK, leaves, idx, tgt, ln, scale, args, fl_pass,
         for var in ("smem",) + tuple(v for v in ih.LOSS_FWD_VARIANTS if v != "smem"):
             os.environ[ih.ENV_LOSS_FWD] = var
 
-            def fwd(i):
-                s = leaves[i]
-                with torch.no_grad():
-                    return mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
-                                           reduction="none")
-
-            def fwd_bwd(i):
-                s = leaves[i]
-                for x in s.values():
-                    x.grad = None
-                loss = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln)
-                loss.backward()
-                return loss
-
+            fwd = _loss_calls(leaves, idx, tgt, ln, scale, reduction="none")[0]
+            fwd_bwd = _loss_calls(leaves, idx, tgt, ln, scale)[1]
             if rnd == 0:
                 ref_rows[var] = fwd(0).clone()
             med, ts = _time(fwd, args.sets, args.warmup, args.reps)
@@ -509,6 +483,28 @@ def _topk_rows(out, S, TOPK, sets, args, scale, fl_scores, dev, tag):
         _row(out, name + tag, "ours", S, TOPK, med, ts, fl_scores, _peak_mib(fn))
 
 
+def _loss_calls(leaves, idx, tgt, ln, scale, deterministic=False, reduction="mean"):
+    """``(fwd, fwd_bwd)``: one ``indexer_loss`` call on input set ``i`` of ``leaves`` without
+    autograd, and one forward + backward (gradients cleared first)."""
+
+    def fwd(i):
+        s = leaves[i]
+        with torch.no_grad():
+            return mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
+                                   reduction=reduction, deterministic=deterministic)
+
+    def fwd_bwd(i):
+        s = leaves[i]
+        for x in s.values():
+            x.grad = None
+        loss = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln,
+                               reduction=reduction, deterministic=deterministic)
+        loss.backward()
+        return loss
+
+    return fwd, fwd_bwd
+
+
 def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
     """``indexer_topk`` (bf16, fp8) and ``indexer_loss`` forward + backward with the head sums in 2
     or 4 FMA chains (``MLA_KERNELS_INDEXER_SUM_PARTS``; the default rows use 1)."""
@@ -519,14 +515,7 @@ def _sum_parts(out, S, TOPK, sets, args, scale, fl_scores, fl_pass, dev):
     leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                    w=s["w"].clone().requires_grad_(True)) for s in sets]
 
-    def loss(i):
-        s = leaves[i]
-        for x in s.values():
-            x.grad = None
-        out = mk.indexer_loss(s["q"], s["k"], s["w"], idx, tgt, sm_scale=scale, topk_length=ln)
-        out.backward()
-        return out
-
+    loss = _loss_calls(leaves, idx, tgt, ln, scale)[1]
     try:
         for parts in ("2", "4"):
             os.environ["MLA_KERNELS_INDEXER_SUM_PARTS"] = parts
