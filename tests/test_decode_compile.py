@@ -22,7 +22,39 @@ def q_chunks(h: int, d_qk: int = 576) -> int:
 @pytest.fixture(scope="module")
 def report():
     cr = compile_report_module()
-    return {r["name"]: r for r in cr.run("sm_90a", only=NAMES, quiet=True)}
+    texts = []  # each kernel's SASS text, in the order run() disassembles them
+    barrier_sites = cr.barrier_sites
+
+    def keep_text(text):
+        texts.append(text)
+        return barrier_sites(text)
+
+    cr.barrier_sites = keep_text
+    recs = cr.run("sm_90a", only=NAMES, quiet=True)
+    if len(texts) == len(recs):
+        for r, t in zip(recs, texts):
+            r["sass_text"] = t
+    return {r["name"]: r for r in recs}
+
+
+def producer_region(sass_text: str):
+    """The opcodes of the producer warpgroup's code: after its ``USETMAXREG.DEALLOC``, before the
+    consumers' ``USETMAXREG.TRY_ALLOC`` (both decode kernels place the roles so)."""
+    import re
+
+    ops, inside = [], False
+    for line in sass_text.splitlines():
+        m = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if not m:
+            continue
+        op = m.group(1)
+        if op.startswith("USETMAXREG.DEALLOC"):
+            inside = True
+        elif op.startswith("USETMAXREG.TRY_ALLOC"):
+            break
+        elif inside:
+            ops.append(op)
+    return ops
 
 
 def _common(r):
@@ -102,3 +134,21 @@ def test_cluster_merge_through_l2(report):
     assert sass.get("STG.E.128", 0) >= 32 and sass.get("LD.E.128", 0) == 0
     assert sass.get("UCGABAR_ARV", 0) == 2 and sass.get("UCGABAR_WAIT", 0) == 2 and sass.get("MEMBAR.ALL.GPU", 0) == 1
     assert sass.get("LDG.E.128", 0) >= 36 + 16
+
+
+@pytest.mark.parametrize("name", ["sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct",
+                                  "sm90_decode_d576_h128_cluster16"])
+def test_producer_divides_by_the_page_size_without_a_division(report, name):
+    """The paged gather divides each position by the page size with the host's constants
+    (MLA_KERNELS_DECODE_PAGEDIV=magic, the default): the producer's code holds no integer-division
+    sequence (its float reciprocal ``MUFU.RCP``, the ``I2F`` / ``F2I`` conversions around it), and
+    at least the 9 multiply-highs of a block pair (8 gathered rows + the validity slot per thread)."""
+    r = report[name]
+    _common(r)
+    if "sass_text" not in r:
+        pytest.skip("SASS text not captured")
+    ops = producer_region(r["sass_text"])
+    assert len(ops) > 300  # the region was found: the producer's loop and copies
+    division = [o for o in ops if o.startswith(("I2F", "F2I", "MUFU.RCP"))]
+    assert division == []
+    assert sum(o.startswith("IMAD.HI") for o in ops) >= 9
