@@ -39,7 +39,7 @@ def emulated_physical_indices(idx, n_rows, page_size, page_mul, page_shift, bloc
 
 
 def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bool = False, cluster: int = 0,
-                       cluster_bf16: bool = False, cluster_l2: bool = False, pagediv: str = "magic"):
+                       cluster_bf16: bool = False, cluster_l2: bool = False, pagediv: str = dh.DEFAULT_PAGEDIV):
     if cluster_l2:  # the fused kernel's contract: parts through the workspace, merged by the cluster
         fused = True
     def fn(q, bias, kv4, idx, bt, tl, sink, out, lse, ml, *rest):
@@ -152,8 +152,8 @@ def emulated_compilers(calls: Calls):
                                                                        kw.get("cluster", 0),
                                                                        kw.get("cluster_bf16", False),
                                                                        kw.get("cluster_l2", False),
-                                                                       kw.get("pagediv", "magic"))),
+                                                                       kw.get("pagediv", dh.DEFAULT_PAGEDIV))),
         lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False),
-                                                                       pagediv=kw.get("pagediv", "magic"))),
+                                                                       pagediv=kw.get("pagediv", dh.DEFAULT_PAGEDIV))),
         lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
     )

@@ -481,11 +481,11 @@ def test_page_divisor_exhaustive_ranges(d):
 def test_pagediv_knob(monkeypatch):
     """MLA_KERNELS_DECODE_PAGEDIV picks the kernels' division when a plan is made."""
     monkeypatch.delenv(decode_host.ENV_PAGEDIV, raising=False)
-    assert decode_host.DEFAULT_PAGEDIV == "magic" and decode_host.page_div_mode() == "magic"
-    monkeypatch.setenv(decode_host.ENV_PAGEDIV, " generic ")
-    assert decode_host.page_div_mode() == "generic"
+    assert decode_host.DEFAULT_PAGEDIV == "generic" and decode_host.page_div_mode() == "generic"
+    monkeypatch.setenv(decode_host.ENV_PAGEDIV, " magic ")
+    assert decode_host.page_div_mode() == "magic"
     monkeypatch.setenv(decode_host.ENV_PAGEDIV, "fast")
-    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_PAGEDIV='fast': expected one of magic, generic"):
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_PAGEDIV='fast': expected one of generic, magic"):
         decode_host.page_div_mode()
 
 
@@ -494,8 +494,8 @@ def test_pagediv_compile_option_checked():
         pass
 
     with pytest.raises(ValueError, match="NoOption has no pagediv option"):
-        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="generic")
-    with pytest.raises(ValueError, match="pagediv='fast': expected one of magic, generic"):
+        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="magic")
+    with pytest.raises(ValueError, match="pagediv='fast': expected one of generic, magic"):
         decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="fast")
 
 

@@ -240,7 +240,7 @@ def test_decode_direct_mode(h, b, s_q, monkeypatch):
 def test_decode_page_division_magic_is_bitwise_generic(h, b, s_q, topk, page_size, seq_len, block_table, combine,
                                                        monkeypatch):
     """The gather's division by the page size with the host's constants (MLA_KERNELS_DECODE_PAGEDIV=
-    magic, the default) reads the same rows as the compiler's division (generic): outputs, lse and
+    magic) reads the same rows as the compiler's division (generic, the default): outputs, lse and
     max_logits equal bit for bit (invalid, duplicate, past-the-end and empty rows, positions up to
     2^31 - 1, topk_length, sink and bias included), and both match the reference."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")

@@ -9,8 +9,9 @@ Argument contract of a decode kernel (``sm90/decode.py``, ``sm90/decode_narrow.p
      page_mul i32, page_shift i32, tl_stride_b i32, tl_stride_s i32, n_splits i32, blocks_per_split i32,
      stream)
 
-``(page_mul, page_shift)`` is :func:`page_divisor` of ``max(page_size, 1)``: the kernels divide a
-position by the page size with a multiply-high, an add and a shift (``MLA_KERNELS_DECODE_PAGEDIV``).
+``(page_mul, page_shift)`` is :func:`page_divisor` of ``max(page_size, 1)``: with
+``MLA_KERNELS_DECODE_PAGEDIV=magic`` the kernels divide a position by the page size with a
+multiply-high, an add and a shift (the default kernels ignore them).
 
 ``out`` is ``[n_splits, b*s_q, h_q, d_v]`` float32 or bf16 (split mode; ``MLA_KERNELS_DECODE_PARTS``) or ``[b, s_q, h_q, d_v]`` bf16
 (direct mode); ``lse`` / ``max_logits`` ``[n_splits, b*s_q, h_q]`` or ``[b, s_q, h_q]`` float32.
@@ -84,8 +85,8 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, part
 
 def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False,
                           pagediv: Optional[str] = None, **kw):
-    """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"magic"`` /
-    ``"generic"``, default: the kernel's own, ``"magic"``): how its paged gather divides a position
+    """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"generic"`` /
+    ``"magic"``, default: the kernel's own, ``"generic"``): how its paged gather divides a position
     by the page size (:func:`page_div_mode`)."""
     from .. import _compile
 
@@ -353,17 +354,19 @@ def l2_evict_first(h_q: int) -> bool:
 
 
 ENV_PAGEDIV = "MLA_KERNELS_DECODE_PAGEDIV"
-PAGEDIV_MODES = ("magic", "generic")
-DEFAULT_PAGEDIV = "magic"
+PAGEDIV_MODES = ("generic", "magic")
+DEFAULT_PAGEDIV = "generic"
 
 
 def page_div_mode() -> str:
     """How the decode kernels' paged gather divides a position by the page size, read when a plan
-    is made: ``MLA_KERNELS_DECODE_PAGEDIV`` = ``magic`` (default: a multiply-high, an add and a
-    shift by the host's :func:`page_divisor` constants -- ~3 instructions per gathered row) or
-    ``generic`` (the compiler's division by the runtime ``page_size``: a float reciprocal and
-    corrections, ~8 instructions per row).  Both give the same rows, bit for bit the same outputs
-    (docs/PERF.md, decode, eighth round)."""
+    is made: ``MLA_KERNELS_DECODE_PAGEDIV`` = ``generic`` (default: the compiler's division by the
+    runtime ``page_size``, a float reciprocal and corrections, ~8 instructions per gathered row) or
+    ``magic`` (a multiply-high and a shift by the host's :func:`page_divisor` constants: 70 fewer
+    producer instructions per block pair).  Both read the same rows: bit for bit the same outputs.
+    Measured on an H200 (docs/PERF.md, decode, eighth round): magic 0.4-0.6% slower at b 128 for
+    h_q 64 / 128 (IQRs overlap), equal at h_q 32, 0.6% faster at h_q 16, 1.7% faster at b 2 --
+    not faster where the targets are, so not the default."""
     import os
 
     v = os.environ.get(ENV_PAGEDIV, DEFAULT_PAGEDIV).strip()

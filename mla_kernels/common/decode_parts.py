@@ -3,9 +3,8 @@
 * :class:`PagedKvGather` -- :class:`~mla_kernels.common.gather.KvGather` over a paged KV cache:
   the top-k entries are physical rows of the flattened cache, or (with a block table) logical
   positions of the request's sequence translated in the kernel as vLLM's paged attention does:
-  ``row = block_table[b, pos // page_size] * page_size + pos % page_size``, the division by
-  :func:`div_u31` with the host's constants (or, ``MLA_KERNELS_DECODE_PAGEDIV=generic``, the
-  compiler's division).
+  ``row = block_table[b, pos // page_size] * page_size + pos % page_size``, the division the
+  compiler's (or, ``MLA_KERNELS_DECODE_PAGEDIV=magic``, :func:`div_u31` with the host's constants).
 * :func:`load_q_tile` -- ``q (+ q_bias)`` rows into a K-major SW128 smem tile (the layout wgmma
   reads and :class:`KvGather` writes), 16-byte loads and stores; the bias add is fused here.
 * :func:`split_range` -- which top-k blocks a split covers, and the slot bound that keeps a

@@ -79,10 +79,10 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         self.f32_out = split and not self.parts_bf16 and not self.cluster_dsmem  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
-        # how the gather divides a position by the page size: "magic" (multiply-high + shift by the
-        # host's constants, the page_mul / page_shift arguments) or "generic" (the compiler's
-        # division); set by decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_PAGEDIV)
-        self.pagediv = "magic"
+        # how the gather divides a position by the page size: "generic" (the compiler's division)
+        # or "magic" (multiply-high + shift by the host's constants, the page_mul / page_shift
+        # arguments); set by decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_PAGEDIV)
+        self.pagediv = "generic"
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
