@@ -17,18 +17,41 @@ from mla_kernels.common import decode_host as dh
 class Calls:
     def __init__(self):
         self.log = []
+        self.pagediv = []  # (mode, page_size, page_mul, page_shift) per decode launch
+
+
+def emulated_physical_indices(idx, n_rows, page_size, page_mul, page_shift, block_table, pagediv="magic"):
+    """``PagedKvGather.index_at`` on the host: rows of the flattened cache for positions ``idx
+    [b, s_q, topk]`` through ``block_table [b, max_pages]`` (-1 where invalid), the division by the
+    page size done as the kernel does it (``magic``: :func:`decode_host.page_div_emulated` with the
+    kernel's arguments; ``generic``: ``//``)."""
+    ps = max(page_size, 1)
+    pos = idx.long()
+    pos_c = pos.clamp_min(0)
+    div = (lambda n: dh.page_div_emulated(n, page_mul, page_shift)) if pagediv == "magic" else (lambda n: n // ps)
+    page_i = div(pos_c)
+    num_pages = div(n_rows)
+    b, max_pages = block_table.shape
+    page = block_table.long().gather(1, page_i.clamp(max=max_pages - 1).reshape(b, -1)).reshape(pos.shape)
+    rows = page * ps + (pos_c - page_i * ps)
+    ok = (pos >= 0) & (page_i < max_pages) & (page >= 0) & (page < num_pages)
+    return torch.where(ok, rows, torch.full_like(rows, -1))
 
 
 def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bool = False, cluster: int = 0,
-                       cluster_bf16: bool = False, cluster_l2: bool = False):
+                       cluster_bf16: bool = False, cluster_l2: bool = False, pagediv: str = dh.DEFAULT_PAGEDIV):
     if cluster_l2:  # the fused kernel's contract: parts through the workspace, merged by the cluster
         fused = True
     def fn(q, bias, kv4, idx, bt, tl, sink, out, lse, ml, *rest):
         if fused:  # the merged outputs and the arrival counters come after max_logits
             out_f, lse_f, ml_f, cnt, *rest = rest
-        scale_log2, flags, page_size, tl_b, tl_s, n_splits, bps = rest
+        scale_log2, flags, page_size, page_mul, page_shift, tl_b, tl_s, n_splits, bps = rest
         tag = (f"cluster{cluster}",) if cluster else (("fused",) if fused else ())
         calls.log.append(("decode", d_qk, h_q, split, flags, n_splits, bps, tl_b, tl_s) + tag)
+        calls.pagediv.append((pagediv, page_size, page_mul, page_shift))
+        # the constants of the kernels' division by the page size (page_size 0: divide by 1)
+        assert all(isinstance(v, int) for v in (page_size, page_mul, page_shift))
+        assert (page_mul, page_shift) == dh.page_divisor(max(page_size, 1))
         b, s_q, h, d = q.shape
         assert (h, d) == (h_q, d_qk) and q.dtype == torch.bfloat16 and q.is_contiguous()
         assert kv4.dim() == 4 and kv4.shape[2] == 1 and kv4.shape[3] == d and page_size == kv4.shape[1]
@@ -54,6 +77,12 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bo
             assert bias.shape[0] == b
             qe = (qe + bias.float()[:, None]).to(torch.bfloat16).float()  # the kernel rounds q + bias
         block_table = bt if flags & dh.F_BLOCK_TABLE else None
+        if block_table is not None:
+            # the kernel's translation, its division as the kernel does it, is the reference's
+            n_rows = kv4.shape[0] * kv4.shape[1]
+            assert torch.equal(emulated_physical_indices(idx, n_rows, page_size, page_mul, page_shift, block_table,
+                                                         pagediv),
+                               ref.decode_physical_indices(idx, n_rows, page_size, block_table))
         tl_tok = None
         if flags & dh.F_TOPK_LENGTH:
             bi = torch.arange(b)[:, None]
@@ -122,7 +151,9 @@ def emulated_compilers(calls: Calls):
         lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False),
                                                                        kw.get("cluster", 0),
                                                                        kw.get("cluster_bf16", False),
-                                                                       kw.get("cluster_l2", False))),
-        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False))),
+                                                                       kw.get("cluster_l2", False),
+                                                                       kw.get("pagediv", dh.DEFAULT_PAGEDIV))),
+        lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False),
+                                                                       pagediv=kw.get("pagediv", dh.DEFAULT_PAGEDIV))),
         lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
     )

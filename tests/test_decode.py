@@ -385,6 +385,165 @@ def test_decode_knobs(monkeypatch):
         decode_host.l2_evict_first(16)
 
 
+# ---------------------------------------------------------------------------------------------
+# The kernels' division by the page size (decode_host.page_divisor)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_divisors(ds: torch.Tensor, ns: torch.Tensor) -> None:
+    """``page_div_emulated(n, *page_divisor(d)) == n // d`` for every pair of ``ds x ns``
+    (int64 tensors; ``n`` in [0, 2^31), ``d`` in [1, 2^31))."""
+    consts = [decode_host.page_divisor(int(d)) for d in ds]
+    m = torch.tensor([c[0] for c in consts], dtype=torch.int64)[:, None]
+    sh = torch.tensor([c[1] for c in consts], dtype=torch.int64)[:, None]
+    assert bool(((m & 0xFFFFFFFF) > 0).all()) and bool((sh >= 0).all()) and bool((sh <= 31).all())
+    assert bool((m >= -(2**31)).all()) and bool((m < 2**31).all())  # int32 kernel arguments
+    n = ns[None, :]
+    got = decode_host.page_div_emulated(n, m, sh)  # int64 throughout: n * m' < 2^63
+    want = torch.div(n, ds[:, None], rounding_mode="floor")
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, [(int(ds[i]), int(ns[j]), int(got[i, j]), int(want[i, j])) for i, j in bad[:5]]
+
+
+def test_page_divisor_constants():
+    # powers of two (1 included): m' = 1, the shift is log2 d
+    for k in range(31):
+        assert decode_host.page_divisor(2**k) == (1, k)
+    assert decode_host.page_divisor(3) == (0x55555556, 2)  # floor(2^32 / 3) + 1
+    assert decode_host.page_divisor(2**31 - 1) == (3, 31)
+    m, sh = decode_host.page_divisor(2**30 + 1)  # m' = floor(2^32 (2^31 - d) / d) + 1 > 2^31: negative int32
+    assert m < 0 and sh == 31 and (m & 0xFFFFFFFF) == (2**32 * (2**31 - 2**30 - 1)) // (2**30 + 1) + 1
+    for d in (0, -1, 2**31, 2**40):
+        with pytest.raises(ValueError, match=rf"page_divisor: divisor {d} outside \[1, 2\^31 - 1\]"):
+            decode_host.page_divisor(d)
+    # the Python-int path of the emulation (what the tools print) agrees with //
+    for d in (1, 3, 7, 64, 1000, 2**31 - 1):
+        for n in (0, 1, d - 1, d, 2**31 - 1):
+            assert decode_host.page_div_emulated(n, *decode_host.page_divisor(d)) == n // d
+
+
+def test_page_divisor_every_small_divisor():
+    """Every divisor 1 .. 2^16 (every page size in use, and more) against the dividends where a
+    rounding error would show first: 0, 1, the multiples of d and their neighbours up to 64 d,
+    the largest multiples of d below 2^31 and their neighbours, 2^31 - 1, and 64 random ones."""
+    g = torch.Generator().manual_seed(0)
+    top = 2**31 - 1
+    for lo in range(1, 2**16 + 1, 4096):
+        ds = torch.arange(lo, min(lo + 4096, 2**16 + 1), dtype=torch.int64)
+        k = torch.arange(0, 65, dtype=torch.int64)
+        near = (ds[:, None] * k[None, :])[..., None] + torch.tensor([-1, 0, 1])  # [d, k, 3]
+        kmax = top // ds
+        high = ((kmax[:, None] - torch.arange(0, 4))[..., None] * ds[:, None, None]) + torch.tensor([-1, 0, 1])
+        rnd_n = torch.randint(0, 2**31, (64,), generator=g, dtype=torch.int64)
+        # per divisor its own dividends: check row by row in one broadcast (n differs per row)
+        ns = torch.cat([near.reshape(len(ds), -1), high.reshape(len(ds), -1),
+                        torch.tensor([0, 1, top], dtype=torch.int64).expand(len(ds), 3),
+                        rnd_n.expand(len(ds), 64)], dim=1).clamp(0, top)
+        consts = [decode_host.page_divisor(int(d)) for d in ds]
+        m = torch.tensor([c[0] for c in consts], dtype=torch.int64)[:, None]
+        sh = torch.tensor([c[1] for c in consts], dtype=torch.int64)[:, None]
+        got = decode_host.page_div_emulated(ns, m, sh)
+        assert torch.equal(got, torch.div(ns, ds[:, None], rounding_mode="floor"))
+
+
+def test_page_divisor_large_and_random_divisors():
+    """Divisors up to 2^31 - 1: every 2^k - 1, 2^k, 2^k + 1, and 2000 random ones (log-uniform),
+    against edge and random dividends up to 2^31 - 1."""
+    g = torch.Generator().manual_seed(1)
+    edge = [2**k + e for k in range(1, 32) for e in (-1, 0, 1) if 1 <= 2**k + e <= 2**31 - 1]
+    logs = torch.rand(2000, generator=g, dtype=torch.float64) * 31
+    rnd_d = (2.0 ** logs).long().clamp(1, 2**31 - 1)
+    ds = torch.unique(torch.cat([torch.tensor(edge, dtype=torch.int64), rnd_d]))
+    top = 2**31 - 1
+    ns = torch.cat([torch.tensor([0, 1, 2, top - 1, top], dtype=torch.int64),
+                    torch.tensor([2**k + e for k in range(31) for e in (-1, 0, 1) if 0 <= 2**k + e <= top]),
+                    torch.randint(0, 2**31, (400,), generator=g, dtype=torch.int64)])
+    _check_divisors(ds, ns)
+    # and each divisor's own worst cases: the largest multiples below 2^31 and their neighbours
+    kmax = top // ds
+    own = ((kmax[:, None] - torch.arange(0, 3))[..., None] * ds[:, None, None] + torch.tensor([-1, 0, 1]))
+    own = own.reshape(len(ds), -1).clamp(0, top)
+    consts = [decode_host.page_divisor(int(d)) for d in ds]
+    m = torch.tensor([c[0] for c in consts], dtype=torch.int64)[:, None]
+    sh = torch.tensor([c[1] for c in consts], dtype=torch.int64)[:, None]
+    assert torch.equal(decode_host.page_div_emulated(own, m, sh), torch.div(own, ds[:, None], rounding_mode="floor"))
+
+
+@pytest.mark.parametrize("d", [1, 3, 64, 1000])
+def test_page_divisor_exhaustive_ranges(d):
+    """Every dividend in [0, 2^21) and in [2^31 - 2^21, 2^31) for a few page sizes."""
+    m, sh = decode_host.page_divisor(d)
+    for lo in (0, 2**31 - 2**21):
+        n = torch.arange(lo, lo + 2**21, dtype=torch.int64)
+        assert torch.equal(decode_host.page_div_emulated(n, m, sh), torch.div(n, d, rounding_mode="floor"))
+
+
+def test_pagediv_knob(monkeypatch):
+    """MLA_KERNELS_DECODE_PAGEDIV picks the kernels' division when a plan is made."""
+    monkeypatch.delenv(decode_host.ENV_PAGEDIV, raising=False)
+    assert decode_host.DEFAULT_PAGEDIV == "generic" and decode_host.page_div_mode() == "generic"
+    monkeypatch.setenv(decode_host.ENV_PAGEDIV, " magic ")
+    assert decode_host.page_div_mode() == "magic"
+    monkeypatch.setenv(decode_host.ENV_PAGEDIV, "fast")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_PAGEDIV='fast': expected one of generic, magic"):
+        decode_host.page_div_mode()
+
+
+def test_pagediv_compile_option_checked():
+    class NoOption:
+        pass
+
+    with pytest.raises(ValueError, match="NoOption has no pagediv option"):
+        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="magic")
+    with pytest.raises(ValueError, match="pagediv='fast': expected one of generic, magic"):
+        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="fast")
+
+
+@pytest.mark.parametrize("mode", ["magic", "generic"])
+@pytest.mark.parametrize("h", [16, 128])
+def test_sm90_host_passes_page_divisor(emulated_sm90, h, mode, monkeypatch):
+    """A planned call hands the kernel page_divisor(page_size) next to the page size (recomputed
+    when the cache's page size changes, the same tuple otherwise); the emulated kernel translates
+    the block table with those constants as the kernel does (decode_emulation.py) and matches the
+    reference, for page sizes 1, 7 (not a power of two), 16 and 1000."""
+    monkeypatch.setenv(decode_host.ENV_PAGEDIV, mode)
+    b, s_q, d, topk = 2, 1, 576, 130
+    plan = emulated_sm90(b, s_q, h, topk, d, 1)
+    assert plan.state["pagediv"] == mode
+    calls = emulated_sm90.calls
+    for i, ps in enumerate((16, 16, 7, 1, 1000)):
+        q, kv, idx, bt = paged_case(b, s_q, h, d, topk, seed=i, dtype=torch.bfloat16, num_pages=12, page_size=ps,
+                                    max_pages=6)
+        before = plan.state["pagediv_of"]
+        out, lse = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, block_table=bt, plan=plan)
+        assert calls.pagediv[-1] == (mode, ps, *decode_host.page_divisor(ps))
+        if i == 1:  # same page size: the cached constants, no new tuple
+            assert plan.state["pagediv_of"] is before
+        w_o, w_l = ref.sparse_mla_decode_ref(q.float(), kv.float(), idx, 0.05, 512, None, None, bt)
+        torch.testing.assert_close(out.float(), w_o, rtol=1e-2, atol=2e-3)
+        fin = w_l.isfinite()
+        assert torch.equal(fin, lse.isfinite())
+        torch.testing.assert_close(lse[fin], w_l[fin], rtol=1e-5, atol=1e-5)
+    assert len(calls.pagediv) == 5
+
+
+def test_emulated_translation_equals_reference_for_odd_page_sizes():
+    """The kernel's block-table translation with its constant division (decode_emulation) equals
+    the reference's for page sizes that are not powers of two, positions up to 2^31 - 1 included."""
+    from decode_emulation import emulated_physical_indices
+
+    g = torch.Generator().manual_seed(2)
+    for ps, num_pages, max_pages in ((3, 50, 40), (7, 30, 9), (1000, 20, 5), (2**20 + 3, 3, 2)):
+        bt = torch.randint(-1, num_pages + 2, (2, max_pages), generator=g).int()
+        hi = max_pages * ps
+        idx = torch.randint(-3, hi + 3 * ps, (2, 1, 300), generator=g).int()
+        idx[0, 0, :3] = torch.tensor([2**31 - 1, 0, hi - 1], dtype=torch.int32)
+        n_rows = num_pages * ps
+        for mode in ("magic", "generic"):
+            got = emulated_physical_indices(idx, n_rows, ps, *decode_host.page_divisor(ps), bt, mode)
+            assert torch.equal(got, ref.decode_physical_indices(idx, n_rows, ps, bt))
+
+
 def test_cluster_knobs_and_size_rule(monkeypatch):
     """The cluster merge (one launch, the splits of a row merged over DSMEM) serves the 64-head
     kernel's split counts 2/4/8/16 up to MLA_KERNELS_DECODE_CLUSTER_MAX; every other plan keeps

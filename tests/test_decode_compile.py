@@ -22,7 +22,39 @@ def q_chunks(h: int, d_qk: int = 576) -> int:
 @pytest.fixture(scope="module")
 def report():
     cr = compile_report_module()
-    return {r["name"]: r for r in cr.run("sm_90a", only=NAMES, quiet=True)}
+    texts = []  # each kernel's SASS text, in the order run() disassembles them
+    barrier_sites = cr.barrier_sites
+
+    def keep_text(text):
+        texts.append(text)
+        return barrier_sites(text)
+
+    cr.barrier_sites = keep_text
+    recs = cr.run("sm_90a", only=NAMES, quiet=True)
+    if len(texts) == len(recs):
+        for r, t in zip(recs, texts):
+            r["sass_text"] = t
+    return {r["name"]: r for r in recs}
+
+
+def producer_region(sass_text: str):
+    """The opcodes of the producer warpgroup's code: after its ``USETMAXREG.DEALLOC``, before the
+    consumers' ``USETMAXREG.TRY_ALLOC`` (both decode kernels place the roles so)."""
+    import re
+
+    ops, inside = [], False
+    for line in sass_text.splitlines():
+        m = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if not m:
+            continue
+        op = m.group(1)
+        if op.startswith("USETMAXREG.DEALLOC"):
+            inside = True
+        elif op.startswith("USETMAXREG.TRY_ALLOC"):
+            break
+        elif inside:
+            ops.append(op)
+    return ops
 
 
 def _common(r):
@@ -102,3 +134,43 @@ def test_cluster_merge_through_l2(report):
     assert sass.get("STG.E.128", 0) >= 32 and sass.get("LD.E.128", 0) == 0
     assert sass.get("UCGABAR_ARV", 0) == 2 and sass.get("UCGABAR_WAIT", 0) == 2 and sass.get("MEMBAR.ALL.GPU", 0) == 1
     assert sass.get("LDG.E.128", 0) >= 36 + 16
+
+
+def test_producer_divides_by_the_page_size_with_constants():
+    """MLA_KERNELS_DECODE_PAGEDIV=magic: the paged gather divides each position by the page size
+    with the host's constants -- the producer's code holds no integer-division sequence (its float
+    reciprocal ``MUFU.RCP``, the ``I2F`` / ``F2I`` conversions around it) but at least the 9
+    multiply-highs of a block pair (8 gathered rows + the validity slot per thread), and fits its
+    72 registers (no spills)."""
+    from mla_kernels.sm90 import compile_decode
+
+    cr = compile_report_module()
+    texts = []
+    barrier_sites = cr.barrier_sites
+    cr.barrier_sites = lambda text: (texts.append(text), barrier_sites(text))[1]
+    r = cr.report_one("sm90_decode_d576_h64_direct_magic",
+                      lambda a, **kw: compile_decode(576, 64, False, a, pagediv="magic", **kw), "sm_90a",
+                      cr.find_nvdisasm())
+    _common(r)
+    ops = producer_region(texts[0])
+    assert len(ops) > 300  # the region was found: the producer's loop and copies
+    assert [o for o in ops if o.startswith(("I2F", "F2I", "MUFU.RCP"))] == []
+    assert sum(o.startswith("IMAD.HI") for o in ops) >= 9
+    assert base_ldgsts(r) == 72 + q_chunks(64)  # the same copies
+
+
+@pytest.mark.parametrize("name", ["sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct"])
+def test_default_producer_uses_the_compilers_division(report, name):
+    """The default kernels (MLA_KERNELS_DECODE_PAGEDIV=generic): the compiler's division by the
+    runtime page size, a float reciprocal, in the producer (what the magic constants remove)."""
+    r = report[name]
+    _common(r)
+    if "sass_text" not in r:
+        pytest.skip("SASS text not captured")
+    ops = producer_region(r["sass_text"])
+    assert len(ops) > 300
+    assert sum(o.startswith("MUFU.RCP") for o in ops) >= 1 and sum(o.startswith("I2F") for o in ops) >= 1
+
+
+def base_ldgsts(r):
+    return r["sass_base"].get("LDGSTS", 0)

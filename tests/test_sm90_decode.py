@@ -230,6 +230,40 @@ def test_decode_direct_mode(h, b, s_q, monkeypatch):
     check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
 
 
+@pytest.mark.parametrize("h,b,s_q,topk,page_size,seq_len,block_table,combine", [
+    (64, 140, 1, 2048, 64, 4096, True, "auto"),  # direct: the b 128 h 64 kernel
+    (128, 67, 2, 640, 64, 4096, False, "auto"),  # direct, physical ids (the division's result unused)
+    (128, 2, 2, 2048, 1000, 4096, True, "auto"),  # split, merged in clusters; a page size of 1000
+    (16, 3, 2, 512, 7, 2048, True, "separate"),  # narrow kernel, split + the combine kernel; page 7
+    (32, 140, 1, 512, 1, 1024, True, "auto"),  # narrow kernel, direct; page 1 through a block table
+])
+def test_decode_page_division_magic_is_bitwise_generic(h, b, s_q, topk, page_size, seq_len, block_table, combine,
+                                                       monkeypatch):
+    """The gather's division by the page size with the host's constants (MLA_KERNELS_DECODE_PAGEDIV=
+    magic) reads the same rows as the compiler's division (generic, the default): outputs, lse and
+    max_logits equal bit for bit (invalid, duplicate, past-the-end and empty rows, positions up to
+    2^31 - 1, topk_length, sink and bias included), and both match the reference."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
+    c = dcase(b, s_q, h, topk, page_size=page_size, seq_len=seq_len, block_table=block_table, tl="bs", sink=True,
+              bias=h == 64, seed=11 * h + b)
+    if block_table:  # huge positions: past every block table (invalid), through both divisions
+        c["indices"][-1, -1, :4] = torch.tensor([2**31 - 1, 2**31 - 2, 2**31 - page_size, 2**30], dtype=torch.int32)
+    res = {}
+    for mode in ("generic", "magic"):
+        monkeypatch.setenv("MLA_KERNELS_DECODE_PAGEDIV", mode)
+        plan = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True)
+        assert plan.state["pagediv"] == mode
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        res[mode] = (out.clone(), lse.clone(), plan.max_logits.clone(), plan.num_splits)
+    o0, l0, m0, n0 = res["generic"]
+    o1, l1, m1, n1 = res["magic"]
+    assert n0 == n1 and (n0 == 1) == (b * s_q * max(1, h // 64) >= 132)
+    assert torch.equal(o0, o1) and torch.equal(l0, l1) and torch.equal(m0, m1)
+    check(o1, l1, want_of(c, sc, with_ml=True), c, ml=m1)
+
+
 @pytest.mark.parametrize("h", [32, 128])
 def test_decode_page_size_1_physical_ids(h, monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")

@@ -14,8 +14,10 @@ split count).  Cases and inputs are ``tools/bench_decode.py``'s (paged 32k-token
 per input set; then, round after round, each variant replays one graph (the order rotates every
 round), timed with CUDA events -- the GPU time of a graph-captured decode step, with the clock and
 power drift shared by all variants.  Prints the median us per variant, the median of the per-round
-ratios against the first variant, and the largest deviation of each variant's output from the
-first variant's (a patched variant that drops a phase is expected to differ).
+ratios against the first variant, the largest deviation of each variant's output from the
+first variant's (a patched variant that drops a phase is expected to differ) and whether its
+output and lse equal the first variant's bit for bit (``MLA_KERNELS_DECODE_PAGEDIV=generic`` vs
+``magic``: they must).
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
 
             call(0)
             torch.cuda.synchronize()
-            outs[name] = call(0)[0].float().clone()
+            res = call(0)
+            outs[name] = (res[0].float().clone(), res[1].clone())
             if args.eager:
                 steps[name] = call
             else:
@@ -140,17 +143,20 @@ def main(argv=None) -> int:
                 for n in names:
                     times[n].append(this[n])
                     ratios[n].append(this[n] / this[names[0]])
-        ref_out = outs[names[0]]
+        ref_out, ref_lse = outs[names[0]]
         fl = bd.flops(b, s_q, h_q, topk)
         byts = bd.gathered_bytes(b, s_q, topk)
         for n in names:
             us = statistics.median(times[n])
             q1, _, q3 = statistics.quantiles(times[n], n=4)
-            dev_max = (outs[n] - ref_out).abs().max().item()
+            o, lse = outs[n]
+            dev_max = (o - ref_out).abs().max().item()
             scale = ref_out.abs().max().item() or 1.0
+            same = torch.equal(o, ref_out) and torch.equal(lse, ref_lse)
             print(f"{cname:<20} {n:<12} splits {nsplit[n]:3d} {us:8.2f} us  IQR {q1:.2f}-{q3:.2f}  "
                   f"{fl / us / 1e6:7.1f} TFLOPS  {byts / us / 1e3:7.0f} GB/s  ratio vs {names[0]}: "
-                  f"{statistics.median(ratios[n]):.4f}  max|d out| {dev_max / scale:.2e}", flush=True)
+                  f"{statistics.median(ratios[n]):.4f}  max|d out| {dev_max / scale:.2e}  "
+                  f"{'bitwise (out, lse)' if same else 'outputs differ'}", flush=True)
         torch.cuda.synchronize()
         del steps, outs, sets, keep
         torch.cuda.empty_cache()

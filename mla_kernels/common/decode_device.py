@@ -425,6 +425,8 @@ class DecodeContract:
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
+        page_mul: Int32,
+        page_shift: Int32,
         tl_stride_b: Int32,
         tl_stride_s: Int32,
         n_splits: Int32,
@@ -432,7 +434,7 @@ class DecodeContract:
         stream,
     ):
         self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mO, mLse, mML, mLse, scale_log2, flags,
-                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+                     page_size, page_mul, page_shift, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
 
 
 class FusedDecodeContract:
@@ -459,6 +461,8 @@ class FusedDecodeContract:
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
+        page_mul: Int32,
+        page_shift: Int32,
         tl_stride_b: Int32,
         tl_stride_s: Int32,
         n_splits: Int32,
@@ -466,7 +470,7 @@ class FusedDecodeContract:
         stream,
     ):
         self._launch(mQ, mBias, mKV, mIdx, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
-                     page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
+                     page_size, page_mul, page_shift, tl_stride_b, tl_stride_s, n_splits, blocks_per_split, stream)
 
 
 def flat_views(mKV: cute.Tensor, mIdx: cute.Tensor, n_tok, d_qk: int):

@@ -6,7 +6,12 @@ Argument contract of a decode kernel (``sm90/decode.py``, ``sm90/decode_narrow.p
     (q [b, s_q, h_q, d_qk] bf16, q_bias [b|1, h_q, d_qk] bf16, kv_cache [pages, page_size, 1, d_qk] bf16,
      indices [b, s_q, topk] i32, block_table [b|1, max_pages] i32, topk_length [b | b*s_q | 1] i32,
      attn_sink [h_q | 1] f32, out, lse, max_logits, scale_log2 f32, flags i32, page_size i32,
-     tl_stride_b i32, tl_stride_s i32, n_splits i32, blocks_per_split i32, stream)
+     page_mul i32, page_shift i32, tl_stride_b i32, tl_stride_s i32, n_splits i32, blocks_per_split i32,
+     stream)
+
+``(page_mul, page_shift)`` is :func:`page_divisor` of ``max(page_size, 1)``: with
+``MLA_KERNELS_DECODE_PAGEDIV=magic`` the kernels divide a position by the page size with a
+multiply-high, an add and a shift (the default kernels ignore them).
 
 ``out`` is ``[n_splits, b*s_q, h_q, d_v]`` float32 or bf16 (split mode; ``MLA_KERNELS_DECODE_PARTS``) or ``[b, s_q, h_q, d_v]`` bf16
 (direct mode); ``lse`` / ``max_logits`` ``[n_splits, b*s_q, h_q]`` or ``[b, s_q, h_q]`` float32.
@@ -71,14 +76,26 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, part
         Int32(1),
         Int32(0),
         Int32(1),
+        Int32(0),
+        Int32(1),
         Int32(1),
         host.fake_stream(),
     )
 
 
-def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False, **kw):
+def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False,
+                          pagediv: Optional[str] = None, **kw):
+    """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"generic"`` /
+    ``"magic"``, default: the kernel's own, ``"generic"``): how its paged gather divides a position
+    by the page size (:func:`page_div_mode`)."""
     from .. import _compile
 
+    if pagediv is not None:
+        if pagediv not in PAGEDIV_MODES:
+            raise ValueError(f"pagediv={pagediv!r}: expected one of {', '.join(PAGEDIV_MODES)}")
+        if not hasattr(kernel, "pagediv"):
+            raise ValueError(f"{type(kernel).__name__} has no pagediv option")
+        kernel.pagediv = pagediv
     parts_bf16 = split and getattr(kernel, "parts_bf16", False)
     return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
                                            **kw)
@@ -336,6 +353,56 @@ def l2_evict_first(h_q: int) -> bool:
     return v == "first" or (v == "auto" and h_q in NARROW_HEADS)
 
 
+ENV_PAGEDIV = "MLA_KERNELS_DECODE_PAGEDIV"
+PAGEDIV_MODES = ("generic", "magic")
+DEFAULT_PAGEDIV = "generic"
+
+
+def page_div_mode() -> str:
+    """How the decode kernels' paged gather divides a position by the page size, read when a plan
+    is made: ``MLA_KERNELS_DECODE_PAGEDIV`` = ``generic`` (default: the compiler's division by the
+    runtime ``page_size``, a float reciprocal and corrections, ~8 instructions per gathered row) or
+    ``magic`` (a multiply-high and a shift by the host's :func:`page_divisor` constants: 70 fewer
+    producer instructions per block pair).  Both read the same rows: bit for bit the same outputs.
+    Measured on an H200 (docs/PERF.md, decode, eighth round): magic 0.4-0.6% slower at b 128 for
+    h_q 64 / 128 (IQRs overlap), equal at h_q 32, 0.6% faster at h_q 16, 1.7% faster at b 2 --
+    not faster where the targets are, so not the default."""
+    import os
+
+    v = os.environ.get(ENV_PAGEDIV, DEFAULT_PAGEDIV).strip()
+    if v not in PAGEDIV_MODES:
+        raise ValueError(f"{ENV_PAGEDIV}={v!r}: expected one of {', '.join(PAGEDIV_MODES)}")
+    return v
+
+
+#: the largest divisor / dividend :func:`page_divisor`'s constants serve (the kernels' int32 range)
+PAGEDIV_MAX = 2**31 - 1
+
+
+def page_divisor(d: int):
+    """``(page_mul, page_shift)`` for dividing by ``d`` (``1 <= d <= 2^31 - 1``) in the kernels:
+    the round-up method (Granlund & Montgomery 1994, Fig. 4.1) with ``l = ceil(log2 d)`` and
+    ``m' = floor(2^32 (2^l - d) / d) + 1`` (``0 < m' < 2^32``; 1 for a power of two), then for every
+    ``0 <= n <= 2^31 - 1``::
+
+        q = (umulhi(n, m') + n) >> l      (exactly n // d; the 32-bit sum cannot overflow as n < 2^31)
+
+    ``page_mul`` is ``m'`` as a signed int32 (the kernel reads its bits as unsigned),
+    ``page_shift`` is ``l``.  :func:`page_div_emulated` is the same arithmetic on the host."""
+    if not 1 <= d <= PAGEDIV_MAX:
+        raise ValueError(f"page_divisor: divisor {d} outside [1, 2^31 - 1]")
+    l = (d - 1).bit_length()
+    m = ((1 << 32) * ((1 << l) - d)) // d + 1
+    return (m - (1 << 32) if m >= 1 << 31 else m), l
+
+
+def page_div_emulated(n, page_mul: int, page_shift: int):
+    """The kernels' quotient ``(umulhi(n, m') + n) >> l`` for ``0 <= n < 2^31`` (a Python int or
+    an integer torch tensor; the test's check of :func:`page_divisor`)."""
+    m = page_mul & 0xFFFFFFFF
+    return ((n * m >> 32) + n) >> page_shift
+
+
 def decode_knobs():
     """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
     ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
@@ -393,13 +460,19 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
         # the plan's workspace in the kernel's partial dtype
         plan.out_parts = torch.zeros(plan.out_parts.shape, dtype=torch.bfloat16, device=plan.device)
     plan.state["parts"] = parts
+    pagediv = page_div_mode()
+    plan.state["pagediv"] = pagediv
+    if pagediv != DEFAULT_PAGEDIV:  # (the default kernels keep their cache keys)
+        kw["pagediv"] = pagediv
+    pd_key = () if pagediv == DEFAULT_PAGEDIV else (pagediv,)
     if plan.h_q in NARROW_HEADS:
         kern = _compile.cached_compile(
-            ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
+            ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch) + pd_key,
             lambda: compile_narrow(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     else:
-        kern = _compile.cached_compile(("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch),
-                                       lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
+        kern = _compile.cached_compile(
+            ("SparseMlaDecodeSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch) + pd_key,
+            lambda: compile_wide(plan.d_qk, plan.h_q, split, arch, **kw))[1]
     dev, h, T = plan.device, plan.h_q, plan.b * plan.s_q
     st = plan.state
     st["kernel"] = kern
@@ -409,6 +482,8 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     st["sink0"] = torch.zeros(1, dtype=torch.float32, device=dev)
     st["ml0"] = torch.zeros(1, 1, h, dtype=torch.float32, device=dev)
     st["scale_log2"] = None
+    # page_size -> (page_mul, page_shift) of the last call (a cache's page size rarely changes)
+    st["pagediv_of"] = (1, *page_divisor(1))
     if cluster:
         st["cnt0"] = torch.zeros(1, dtype=torch.int32, device=dev)  # the fused contract's unused counters
     elif fused:
@@ -452,6 +527,10 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
     if kv_cache.dim() != 4:
         kv_cache = kv_cache.view(1, kv_cache.shape[0], 1, kv_cache.shape[-1])
     page_size = kv_cache.shape[1]
+    pd = st["pagediv_of"]
+    if pd[0] != page_size:
+        pd = st["pagediv_of"] = (page_size, *page_divisor(max(page_size, 1)))
+    page_mul, page_shift = pd[1], pd[2]
     scale_log2 = sm_scale * math.log2(math.e)
     if plan.with_max_logits:
         flags |= F_MAX_LOGITS
@@ -466,20 +545,20 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
         flags |= F_SINK if has_sink else 0
         counters = plan.counters if st["fused"] else st["cnt0"]
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, plan.out_parts,
-                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, counters, scale_log2, flags, page_size, tl_b,
-                     tl_s, plan.num_splits, plan.blocks_per_split)
+                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, counters, scale_log2, flags, page_size, page_mul,
+                     page_shift, tl_b, tl_s, plan.num_splits, plan.blocks_per_split)
     elif st["cluster"] or plan.num_splits <= 1:
         # direct layout, bf16 output: one split, or the row's cluster merging over DSMEM (one launch)
         ml = plan.max_logits if plan.with_max_logits else st["ml0"]
         flags |= F_SINK if has_sink else 0
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, plan.out, plan.lse, ml,
-                     scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits if st["cluster"] else 1,
-                     plan.blocks_per_split)
+                     scale_log2, flags, page_size, page_mul, page_shift, tl_b, tl_s,
+                     plan.num_splits if st["cluster"] else 1, plan.blocks_per_split)
     else:
         ml = plan.max_logits_parts if plan.with_max_logits else st["ml0"]
         st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, st["sink0"], plan.out_parts,
-                     plan.lse_parts, ml, scale_log2, flags, page_size, tl_b, tl_s, plan.num_splits,
-                     plan.blocks_per_split)
+                     plan.lse_parts, ml, scale_log2, flags, page_size, page_mul, page_shift, tl_b, tl_s,
+                     plan.num_splits, plan.blocks_per_split)
         st["combine"](st["parts3"], st["lse_parts2"], sink, st["out2"], st["lse1"],
                       plan.h_q, 1 if has_sink else 0)
         if plan.with_max_logits:

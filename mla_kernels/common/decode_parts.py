@@ -3,7 +3,8 @@
 * :class:`PagedKvGather` -- :class:`~mla_kernels.common.gather.KvGather` over a paged KV cache:
   the top-k entries are physical rows of the flattened cache, or (with a block table) logical
   positions of the request's sequence translated in the kernel as vLLM's paged attention does:
-  ``row = block_table[b, pos // page_size] * page_size + pos % page_size``.
+  ``row = block_table[b, pos // page_size] * page_size + pos % page_size``, the division the
+  compiler's (or, ``MLA_KERNELS_DECODE_PAGEDIV=magic``, :func:`div_u31` with the host's constants).
 * :func:`load_q_tile` -- ``q (+ q_bias)`` rows into a K-major SW128 smem tile (the layout wgmma
   reads and :class:`KvGather` writes), 16-byte loads and stores; the bias add is fused here.
 * :func:`split_range` -- which top-k blocks a split covers, and the slot bound that keeps a
@@ -20,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from . import device as dev
 from .decode_host import F_BIAS, F_BLOCK_TABLE, F_MAX_LOGITS, F_SINK, F_TOPK_LENGTH  # noqa: F401 (re-exported)
@@ -43,7 +44,8 @@ class PagedKvGather(KvGather):
     """
 
     def __init__(self, mKV, mIdx, s_idx, topk_len, ptid, d_qk, slots, mBT, b_idx, use_bt, page_size,
-                 l2_prefetch: int = 128, evict_first: bool = False):
+                 l2_prefetch: int = 128, evict_first: bool = False, page_mul=None, page_shift=None,
+                 magic: bool = False):
         super().__init__(mKV, mIdx, s_idx, topk_len, ptid, d_qk, slots)
         if evict_first:  # rows read once (a knob: MLA_KERNELS_DECODE_L2_POLICY)
             self.policy = dev.createpolicy_evict_first()
@@ -52,16 +54,29 @@ class PagedKvGather(KvGather):
         self.mBT = mBT
         self.use_bt = use_bt
         self.page_size = page_size
+        # the divisor (a page size of 0 -- an empty cache -- divides by 1, as the host's constants)
+        self.ps = cutlass.max(page_size, 1)
+        # magic: positions divided by ``ps`` with the host's page_divisor(ps) constants
+        self.magic = magic
+        assert not magic or (page_mul is not None and page_shift is not None)
+        self.page_mul = page_mul
+        self.page_shift = page_shift
         self.max_pages = mBT.shape[1]
-        self.num_pages = self.s_kv // cutlass.max(page_size, 1)
+        self.num_pages = self.div_page(self.s_kv)
         # block-table row of this request (0 when unused: the placeholder has one row)
         self.bt_row = Int32(cutlass.select_(use_bt, b_idx, Int32(0)))
 
+    def div_page(self, n):
+        """``n // ps`` for ``0 <= n < 2^31``."""
+        if self.magic:
+            return div_u31(n, self.page_mul, self.page_shift)
+        return n // self.ps
+
     def index_at(self, slot):
         pos = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
-        ps = cutlass.max(self.page_size, 1)
+        ps = self.ps
         pos_c = cutlass.max(pos, Int32(0))
-        page_i = pos_c // ps
+        page_i = self.div_page(pos_c)
         page = self.mBT[self.bt_row, cutlass.min(page_i, self.max_pages - 1)]
         paged = page * ps + (pos_c - page_i * ps)
         ok_paged = (pos >= 0) & (page_i < self.max_pages) & (page >= 0) & (page < self.num_pages)
@@ -215,6 +230,25 @@ def store_bf16(mT: cute.Tensor, off: Int64, value: Float32) -> None:
     r = cute.make_rmem_tensor((1,), Float32)
     r[0] = value
     cute.make_tensor(mT.iterator + off, cute.make_layout(1)).store(r.load().to(cutlass.BFloat16))
+
+
+@dsl_user_op
+def div_u31(n: Int32, mul: Int32, shift: Int32, *, loc=None, ip=None) -> Int32:
+    """``n // d`` for ``0 <= n < 2^31`` by the constants ``(mul, shift) = page_divisor(d)`` of
+    ``common/decode_host.py``: ``(umulhi(n, mul) + n) >> shift`` in unsigned 32-bit arithmetic
+    (``mul.hi.u32``, ``add``, ``shr.b32``: three instructions, no division sequence)."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Int32(n).ir_value(loc=loc, ip=ip), Int32(mul).ir_value(loc=loc, ip=ip),
+         Int32(shift).ir_value(loc=loc, ip=ip)],
+        "{ .reg .u32 t; mul.hi.u32 t, $1, $2; add.u32 t, t, $1; shr.b32 $0, t, $3; }",
+        "=r,r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    ))
 
 
 @dsl_user_op

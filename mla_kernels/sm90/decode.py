@@ -79,6 +79,10 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         self.f32_out = split and not self.parts_bf16 and not self.cluster_dsmem  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
+        # how the gather divides a position by the page size: "generic" (the compiler's division)
+        # or "magic" (multiply-high + shift by the host's constants, the page_mul / page_shift
+        # arguments); set by decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_PAGEDIV)
+        self.pagediv = "generic"
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -110,6 +114,8 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
+        page_mul: Int32,
+        page_shift: Int32,
         tl_stride_b: Int32,
         tl_stride_s: Int32,
         n_splits: Int32,
@@ -153,7 +159,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         n_hblk = h_q // B_H
         launch = self.kernel(
             mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
-            page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
+            page_size, page_mul, page_shift, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage, n_hblk,
         )
         if const_expr(self.cluster):
@@ -187,6 +193,8 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
+        page_mul: Int32,
+        page_shift: Int32,
         tl_stride_b: Int32,
         tl_stride_s: Int32,
         n_splits: Int32,
@@ -270,6 +278,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             gather = dp.PagedKvGather(
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
                 dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch, self.evict_first,
+                page_mul, page_shift, self.pagediv == "magic",
             )
             dd.paired_producer_loop(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid, k0l, k0r,
                                     k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg, warp_idx % 4, self.n_left,

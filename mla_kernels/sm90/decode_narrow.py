@@ -76,6 +76,10 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         self.f32_out = split and not self.parts_bf16  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
+        # how the gather divides a position by the page size: "generic" (the compiler's division)
+        # or "magic" (multiply-high + shift by the host's constants, the page_mul / page_shift
+        # arguments); set by decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_PAGEDIV)
+        self.pagediv = "generic"
         self.n_k_tiles = d_qk // 64
         self.n_cols = h_q // 4  # head columns per thread (S^T and O^T fragments)
         self.n_m_tiles = d_v // 64
@@ -110,6 +114,8 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
+        page_mul: Int32,
+        page_shift: Int32,
         tl_stride_b: Int32,
         tl_stride_s: Int32,
         n_splits: Int32,
@@ -145,7 +151,7 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         mKV2, mIdx2 = dd.flat_views(mKV, mIdx, n_tok, d_qk)
         self.kernel(
             mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
-            page_size, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
+            page_size, page_mul, page_shift, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage,
         ).launch(
             grid=[n_tok * n_splits, 1, 1],
@@ -178,6 +184,8 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         scale_log2: Float32,
         flags: Int32,
         page_size: Int32,
+        page_mul: Int32,
+        page_shift: Int32,
         tl_stride_b: Int32,
         tl_stride_s: Int32,
         n_splits: Int32,
@@ -233,6 +241,7 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
             gather = dp.PagedKvGather(
                 mKV, mIdx, token, bound, idx_in_wg, self.d_qk, 2, mBT, b_idx,
                 dp.flag(flags, dp.F_BLOCK_TABLE), page_size, self.l2_prefetch, self.evict_first,
+                page_mul, page_shift, self.pagediv == "magic",
             )
             self.producer(gather, sK0_ptr, sK1_ptr, sValid, kb0, kb1, bar_valid0, bar_valid1, blk0, num_iters,
                           idx_in_wg, warp_idx % 4)
