@@ -216,3 +216,15 @@ def test_attn_dist_ctas_env(monkeypatch):
     assert attn_dist_ctas(cpu, 256, n_sm // 2 + 1) == n_sm  # two head groups per token
     assert attn_dist_ctas(cpu, 128, n_sm) == 0  # no more items than SMs: one CTA per item
     assert attn_dist_ctas(cpu, 64, 1 << 20) == 0 and attn_dist_ctas(cpu, 192, 1 << 20) == 0  # tokens mode
+
+
+def test_attn_dist_profile_option_is_checked():
+    """The attention distribution's timing copy ('noq') exists for persistent grids only."""
+    pytest.importorskip("cutlass", reason="the sm90 kernel module imports the CuTe DSL")
+    from mla_kernels.sm90.attn_dist import AttnDistSm90
+
+    assert AttnDistSm90(576, "heads", False, False, 132, "noq").profile == "noq"
+    with pytest.raises(ValueError, match="persistent"):
+        AttnDistSm90(576, "heads", False, False, 0, "noq")
+    with pytest.raises(ValueError, match="profile"):
+        AttnDistSm90(576, "heads", False, False, 132, "fast")

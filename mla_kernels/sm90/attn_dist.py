@@ -62,7 +62,8 @@ BAR_TOTAL2 = 5
 class AttnDistSm90:
     """Static configuration + host launcher + device kernel of the sm90 attention distribution."""
 
-    def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool, ctas: int = 0):
+    def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool, ctas: int = 0,
+                 profile: str = ""):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 attn_dist supports d_qk 512 or 576, got {d_qk}")
         if mode not in ("heads", "tokens"):
@@ -76,6 +77,13 @@ class AttnDistSm90:
         #: persistent grid: at most this many CTAs, each looping over work items (token, head
         #: group) with its KV ring running on across them; 0: one CTA per work item
         self.ctas = ctas
+        if profile not in ("", "noq"):
+            raise ValueError(f"profile must be '' or 'noq', got {profile!r}")
+        if profile and not ctas:
+            raise ValueError("profile 'noq' needs a persistent grid (ctas > 0)")
+        #: timing copies only (wrong outputs): ``"noq"`` -- a persistent CTA loads Q and lse for its
+        #: first item only and reuses them, so the difference to the real kernel is the per-item Q load
+        self.profile = profile
         self.n_k_tiles = d_qk // 64
         self.nb = 3  # KV ring depth
         self.heads_per_cta = 2 * B_H if mode == "heads" else B_H
@@ -288,6 +296,8 @@ class AttnDistSm90:
                 i_tok = item // n_groups
                 if q_item != item:
                     nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, i_tok, i_grp, head_off, row0, row1)
+                    if const_expr(self.profile == "noq"):
+                        q_item = n_items  # never again: every later item runs on this Q (timing copy)
                 i_blocks = (self._topk_len(mIdx, mTopkLen, i_tok) + (B_TOPK - 1)) // B_TOPK
                 n_mine, q_item, nlse0, nlse1 = self._consume_item(
                     *args, item, i_grp, i_tok, i_blocks, g0, r0, n_done, q_item, nlse0, nlse1)
@@ -365,7 +375,7 @@ class AttnDistSm90:
             lo = sValid[2 * slot] >> Uint32(2 * lane_quad)
             hi = sValid[2 * slot + 1] >> Uint32(2 * lane_quad)
             bars.release()
-            if const_expr(persistent):
+            if const_expr(persistent and self.profile != "noq"):
                 if (i == n_mine - 1) & (nxt < n_items):
                     # the registers of Q are free: the next item's Q loads fly under this block's math
                     nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, nxt // n_groups, nxt % n_groups, head_off,
