@@ -96,3 +96,44 @@ def test_attn_dist_persistent_many_items_per_cta(h_q, normalize, monkeypatch):
         else:
             assert torch.equal(got, base), f"ctas={ctas}: differs from the one-CTA-per-item grid"
 
+
+
+@pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512), (192, 576)])
+@pytest.mark.parametrize("ctas", [0, 5])
+def test_attn_dist_q_by_vector_loads_is_bitwise_the_same(h_q, d_qk, ctas, monkeypatch):
+    """MLA_KERNELS_ATTN_DIST_QVEC=1 (Q by 16-byte loads and a word transpose in each lane quad)
+    puts the same Q values into the same registers: the output is bitwise the default's."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    case = make_case(77, h_q, d_qk, 900, 256, device="cuda", invalid_frac=0.05, empty_rows=2, topk_length=True)
+    _, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", str(ctas))
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "0")
+    base = mk.attn_dist(case.q, case.kv, case.indices, lse, case.sm_scale, case.topk_length)
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "1")
+    got = mk.attn_dist(case.q, case.kv, case.indices, lse, case.sm_scale, case.topk_length)
+    torch.cuda.synchronize()
+    want = ref.attn_dist_ref(case.q.float(), case.kv.float(), case.indices, lse, case.sm_scale, case.topk_length)
+    assert rel_l2(base, want) <= 1e-3
+    assert torch.equal(got, base), "Q by vector loads differs from Q by 4-byte loads"
+
+
+def test_attn_dist_q_by_vector_loads_past_2g_offsets(monkeypatch):
+    """The 16-byte Q loads address rows past 2^31 bytes of q (64-bit offsets): s_q 16,400 at h_q
+    128, d_qk 576 is 2.4 GB of q; bitwise the 4-byte loads' result (persistent and not)."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, h_q, d_qk, s_kv, topk = 16400, 128, 576, 256, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(s_q, h_q, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(s_kv, 1, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32, generator=g)
+    lse = torch.randn(s_q, h_q, device="cuda", generator=g) + 8.0
+    scale = d_qk ** -0.5
+    for ctas in ("0", "auto"):
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", ctas)
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "0")
+        base = mk.attn_dist(q, kv, idx, lse, scale)
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "1")
+        got = mk.attn_dist(q, kv, idx, lse, scale)
+        torch.cuda.synchronize()
+        assert torch.isfinite(base).all() and base[-1].abs().sum() > 0
+        assert torch.equal(got, base), f"ctas={ctas}: Q by vector loads differs past 2^31 bytes"

@@ -58,8 +58,9 @@ class Group:
     topk_length: bool
     sink: bool
     normalize: bool  # attn_dist's fused (or host-side) normalisation
-    # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA), bwd,
-    # bwd_asum, bwd_det, bwd_det_asum, bwd_dlse
+    # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA),
+    # attn_dist_qvec (the same with Q by 16-byte loads and quad shuffles), bwd, bwd_asum, bwd_det,
+    # bwd_det_asum, bwd_dlse
     ops: Tuple[str, ...]
 
 
@@ -67,10 +68,10 @@ class Group:
 #: head blocks: no backward cluster pair), topk_length and attn_sink on and off, attn_sum scaled
 #: (sink) and unscaled, deterministic with the segment-sum reduction, dlse.
 GROUPS = (
-    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_asum", "bwd_det",
-                                            "bwd_dlse")),
-    Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_asum",
-                                             "bwd_det_asum")),
+    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qvec", "bwd",
+                                            "bwd_asum", "bwd_det", "bwd_dlse")),
+    Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qvec", "bwd",
+                                             "bwd_asum", "bwd_det_asum")),
     Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det", "bwd_dlse")),
     Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "bwd_asum", "bwd_det")),
     Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
@@ -206,13 +207,16 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
         want_asum = ref.attn_dist_ref(q.float(), kv.float(), idx, want_lse, sm_scale, tl, g.normalize)
         step("attn_dist", lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
              lambda r: [("attn_sum", r, want_asum, 1e-3)])
-    if "attn_dist_persist" in g.ops:
-        os.environ["MLA_KERNELS_ATTN_DIST_CTAS"] = "3"
-        try:
-            step("attn_dist_persist", lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
-                 lambda r: [("attn_sum", r, want_asum, 1e-3)])
-        finally:
-            del os.environ["MLA_KERNELS_ATTN_DIST_CTAS"]
+    for op, knobs in (("attn_dist_persist", {"MLA_KERNELS_ATTN_DIST_CTAS": "3"}),
+                      ("attn_dist_qvec", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QVEC": "1"})):
+        if op in g.ops:
+            os.environ.update(knobs)
+            try:
+                step(op, lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
+                     lambda r: [("attn_sum", r, want_asum, 1e-3)])
+            finally:
+                for k in knobs:
+                    del os.environ[k]
 
     bwd_ref = {}
 

@@ -81,14 +81,14 @@ def _sm_count(device) -> int:
 
 
 def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_90a",
-                      ctas: int = 0, profile: str = "", **kw):
+                      ctas: int = 0, profile: str = "", q_vec: bool = False, **kw):
     """Compile the sm90 attention distribution for one static configuration (no GPU needed).
 
     ``normalize`` is fused only when one CTA covers all heads of a token (h_q 64 or 128);
     ``ctas`` > 0 makes the grid persistent with at most that many CTAs (see ``attn_dist.py``)."""
     from .attn_dist import AttnDistSm90
 
-    kernel = AttnDistSm90(d_qk, attn_dist_mode(h_q), normalize, has_topk_length, ctas, profile)
+    kernel = AttnDistSm90(d_qk, attn_dist_mode(h_q), normalize, has_topk_length, ctas, profile, q_vec)
     return kernel, _compile.compile_kernel(kernel, *attn_dist_fake_args(d_qk, h_q, 64), arch=arch, **kw)
 
 
@@ -201,8 +201,10 @@ class Sm90Backend(CuteKernelBackend):
         # a timing copy (wrong outputs) for measurements: MLA_KERNELS_ATTN_DIST_PROFILE=noq (persistent
         # grids only) -- a CTA's later items reuse its first item's Q, so the difference is the Q loads
         prof = os.environ.get("MLA_KERNELS_ATTN_DIST_PROFILE", "") if ctas else ""
-        return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof),
-                      lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof))
+        # Q by 16-byte loads and quad shuffles (MLA_KERNELS_ATTN_DIST_QVEC=1; opt-in until measured)
+        qvec = os.environ.get("MLA_KERNELS_ATTN_DIST_QVEC", "0") == "1"
+        return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec),
+                      lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec))
 
 
     # -- the indexer (host side in indexer_host.py) ---------------------------------------------

@@ -41,7 +41,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
@@ -63,7 +63,7 @@ class AttnDistSm90:
     """Static configuration + host launcher + device kernel of the sm90 attention distribution."""
 
     def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool, ctas: int = 0,
-                 profile: str = ""):
+                 profile: str = "", q_vec: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 attn_dist supports d_qk 512 or 576, got {d_qk}")
         if mode not in ("heads", "tokens"):
@@ -84,6 +84,10 @@ class AttnDistSm90:
         #: timing copies only (wrong outputs): ``"noq"`` -- a persistent CTA loads Q and lse for its
         #: first item only and reuses them, so the difference to the real kernel is the per-item Q load
         self.profile = profile
+        #: Q into the wgmma's A registers by 16-byte loads and a 4 x 4 word transpose in each lane
+        #: quad (36 loads and 144 shuffles per thread) instead of 144 four-byte loads, each of which
+        #: touches 8 half-used sectors (opt-in until measured)
+        self.q_vec = q_vec
         self.n_k_tiles = d_qk // 64
         self.nb = 3  # KV ring depth
         self.heads_per_cta = 2 * B_H if mode == "heads" else B_H
@@ -375,7 +379,9 @@ class AttnDistSm90:
             lo = sValid[2 * slot] >> Uint32(2 * lane_quad)
             hi = sValid[2 * slot + 1] >> Uint32(2 * lane_quad)
             bars.release()
-            if const_expr(persistent and self.profile != "noq"):
+            # (q_vec: the loads feed shuffles right away -- no latency to hide, and the early copy
+            # spills: the next item's Q is loaded at its start instead)
+            if const_expr(persistent and self.profile != "noq" and not self.q_vec):
                 if (i == n_mine - 1) & (nxt < n_items):
                     # the registers of Q are free: the next item's Q loads fly under this block's math
                     nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, nxt // n_groups, nxt % n_groups, head_off,
@@ -455,9 +461,56 @@ class AttnDistSm90:
         """Q of token ``s_idx``'s 64 heads of group ``grp`` (this warpgroup's) into the A-operand
         registers; returns their ``-lse * log2(e)`` terms."""
         head0 = grp * self.heads_per_cta + head_off
-        gQ = cute.local_tile(mQ[s_idx, None, None], (B_H, self.d_qk), (head0 // B_H, 0))
-        cute.autovec_copy(thr.partition_A(gQ), tSrQ)
+        if const_expr(self.q_vec):
+            self._load_q_vec(mQ, tSrQ, s_idx, head0, row0)
+        else:
+            gQ = cute.local_tile(mQ[s_idx, None, None], (B_H, self.d_qk), (head0 // B_H, 0))
+            cute.autovec_copy(thr.partition_A(gQ), tSrQ)
         return -mLse[s_idx, head0 + row0] * dev.LOG2E, -mLse[s_idx, head0 + row1] * dev.LOG2E
+
+    @cute.jit
+    def _load_q_vec(self, mQ: cute.Tensor, tSrQ: cute.Tensor, s_idx: Int32, head0: Int32, row0: Int32):
+        """``tSrQ`` (the RS wgmma's A fragment of Q rows ``head0 ..+ 64``) by 16-byte loads.
+
+        The fragment as 32-bit words: word ``4 k + e1 + 2 e2`` of a thread holds columns
+        ``16 k + 8 e2 + 2 q, +1`` of row ``row0 + 8 e1`` (``q`` = lane % 4).  Lane ``q`` of a quad
+        loads chunk ``q`` (columns ``32 j + 8 q ..+ 8``) of a row; the quad's four chunks then hold
+        the 16 words its lanes need for k-steps ``2 j, 2 j + 1``, lane ``q`` wanting word ``q`` of
+        every chunk: a 4 x 4 transpose by two butterfly exchanges (lane bit 1, then bit 0), each
+        swapping the two words whose index bit differs from the lane's."""
+        tidx, _, _ = cute.arch.thread_idx()
+        q = tidx % 4
+        b1 = (q & 2) != 0
+        b0 = (q & 1) != 0
+        words = cute.recast_tensor(tSrQ, Uint32)
+        assert cute.size(words) == 2 * (self.d_qk // 16) * 2, words.layout
+        h = mQ.shape[1]
+        v = cute.make_rmem_tensor((4,), Uint32)
+        for e1 in cutlass.range_constexpr(2):
+            # 64-bit element offset: s_q * h_q * d_qk may pass 2^31
+            row_ptr = mQ.iterator + ((Int64(s_idx) * h + (head0 + row0 + 8 * e1)) * self.d_qk + 8 * q)
+            for j in cutlass.range_constexpr(self.d_qk // 32):
+                src = cute.make_tensor(cute.recast_ptr((row_ptr + 32 * j).align(16), dtype=Uint32), cute.make_layout(4))
+                cute.autovec_copy(src, v)
+                # exchange across lane bit 1: keep the words whose index bit 1 is the lane's
+                sa = Uint32(cutlass.select_(b1, v[0], v[2]))
+                sb = Uint32(cutlass.select_(b1, v[1], v[3]))
+                ra = cute.arch.shuffle_sync_bfly(sa, offset=2)
+                rb = cute.arch.shuffle_sync_bfly(sb, offset=2)
+                n0 = Uint32(cutlass.select_(b1, ra, v[0]))
+                n1 = Uint32(cutlass.select_(b1, rb, v[1]))
+                n2 = Uint32(cutlass.select_(b1, v[2], ra))
+                n3 = Uint32(cutlass.select_(b1, v[3], rb))
+                # across lane bit 0
+                sa = Uint32(cutlass.select_(b0, n0, n1))
+                sb = Uint32(cutlass.select_(b0, n2, n3))
+                ra = cute.arch.shuffle_sync_bfly(sa, offset=1)
+                rb = cute.arch.shuffle_sync_bfly(sb, offset=1)
+                # lane q now holds word q of chunks 0..3 = k-step 2j (e2 0, 1), k-step 2j + 1 (e2 0, 1)
+                words[8 * j + e1] = Uint32(cutlass.select_(b0, ra, n0))
+                words[8 * j + 2 + e1] = Uint32(cutlass.select_(b0, n1, ra))
+                words[8 * j + 4 + e1] = Uint32(cutlass.select_(b0, rb, n2))
+                words[8 * j + 6 + e1] = Uint32(cutlass.select_(b0, n3, rb))
 
     @cute.jit
     def _combine(self, psum: cute.Tensor, mOut: cute.Tensor, mbar: cute.Pointer, grp: Int32, s_idx: Int32,
