@@ -298,10 +298,12 @@ class AttnDistSm90:
             for item in cutlass.range(first_item, n_items, n_ctas, unroll=1):
                 i_grp = item % n_groups
                 i_tok = item // n_groups
-                if q_item != item:
+                need_q = q_item != item
+                if const_expr(self.profile == "noq"):
+                    need_q = q_item < 0  # the first item only: every later one runs on its Q (timing copy)
+                if need_q:
                     nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, i_tok, i_grp, head_off, row0, row1)
-                    if const_expr(self.profile == "noq"):
-                        q_item = n_items  # never again: every later item runs on this Q (timing copy)
+                    q_item = item
                 i_blocks = (self._topk_len(mIdx, mTopkLen, i_tok) + (B_TOPK - 1)) // B_TOPK
                 n_mine, q_item, nlse0, nlse1 = self._consume_item(
                     *args, item, i_grp, i_tok, i_blocks, g0, r0, n_done, q_item, nlse0, nlse1)
