@@ -26,7 +26,8 @@ def sm90_report():
     # shared with tests/test_barrier_rule.py (one compile per kernel per session)
     from conftest import compile_records
 
-    return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads", "sm90_bwd_d576_h128",
+    return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads",
+                                      "sm90_attn_dist_d576_h128_heads_persist", "sm90_bwd_d576_h128",
                                       "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64", "probe"})
 
 
@@ -54,8 +55,10 @@ def test_sm90_forward_compiles_with_hgmma_and_no_spills(sm90_report):
     assert r["sass"].get("UTMASTG.3D", 0) == 4 and r["sass"].get("UBLKCP.G.S", 0) == 2
 
 
-def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report):
-    r = sm90_report["sm90_attn_dist_d576_h128_heads"]
+@pytest.mark.parametrize("name", ["sm90_attn_dist_d576_h128_heads", "sm90_attn_dist_d576_h128_heads_persist"])
+def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report, name):
+    # _persist: the persistent grid (several items per CTA), opt-in
+    r = sm90_report[name]
     assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
     if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")

@@ -191,3 +191,40 @@ def test_canary_catches_a_crashing_backend(gpu_like):
 def test_backend_for_reports_kernel(gpu_like):
     dispatch.register_backend("sm90", FakeKernel())
     assert mk.backend_for("cpu") == "sm90"
+
+
+def test_attn_dist_ctas_env(monkeypatch):
+    """The sm90 attention distribution's grid: one CTA per item unless MLA_KERNELS_ATTN_DIST_CTAS
+    asks for a persistent one ('auto': the SM count in heads mode with more items than SMs; N: at
+    most N CTAs); garbage is a clear error."""
+    pytest.importorskip("cutlass", reason="the sm90 backend module imports the CuTe DSL")
+    from mla_kernels.sm90 import attn_dist_ctas
+
+    cpu = torch.device("cpu")  # the decode module's default SM count stands in for a GPU's
+    monkeypatch.delenv("MLA_KERNELS_ATTN_DIST_CTAS", raising=False)
+    assert attn_dist_ctas(cpu, 128, 1 << 20) == 0
+    for env, want in (("0", 0), ("7", 7), (" 132 ", 132), ("", 0)):
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", env)
+        assert attn_dist_ctas(cpu, 64, 1 << 20) == want
+    for bad in ("many", "-2", "1.5"):
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", bad)
+        with pytest.raises(ValueError, match="MLA_KERNELS_ATTN_DIST_CTAS"):
+            attn_dist_ctas(cpu)
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", "auto")
+    n_sm = attn_dist_ctas(cpu, 128, 1 << 20)
+    assert n_sm > 0  # heads mode, more items than SMs: persistent, one CTA per SM
+    assert attn_dist_ctas(cpu, 256, n_sm // 2 + 1) == n_sm  # two head groups per token
+    assert attn_dist_ctas(cpu, 128, n_sm) == 0  # no more items than SMs: one CTA per item
+    assert attn_dist_ctas(cpu, 64, 1 << 20) == 0 and attn_dist_ctas(cpu, 192, 1 << 20) == 0  # tokens mode
+
+
+def test_attn_dist_profile_option_is_checked():
+    """The attention distribution's timing copy ('noq') exists for persistent grids only."""
+    pytest.importorskip("cutlass", reason="the sm90 kernel module imports the CuTe DSL")
+    from mla_kernels.sm90.attn_dist import AttnDistSm90
+
+    assert AttnDistSm90(576, "heads", False, False, 132, "noq").profile == "noq"
+    with pytest.raises(ValueError, match="persistent"):
+        AttnDistSm90(576, "heads", False, False, 0, "noq")
+    with pytest.raises(ValueError, match="profile"):
+        AttnDistSm90(576, "heads", False, False, 132, "fast")

@@ -57,3 +57,83 @@ def test_attn_dist_padding_and_unit_scale(monkeypatch):
 def test_attn_dist_headline(monkeypatch):
     case = make_case(4096, 128, 576, 32768, 2048, device="cuda", invalid_frac=0.02, dup_frac=0.0)
     run_and_check(case, False, monkeypatch)
+
+
+def _attn_dist_with_ctas(case, normalize, ctas, monkeypatch, lse):
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", str(ctas))
+    got = mk.attn_dist(case.q, case.kv, case.indices, lse, case.sm_scale, case.topk_length, normalize)
+    torch.cuda.synchronize()
+    return got
+
+
+@pytest.mark.parametrize("h_q", [64, 128, 192, 256])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_attn_dist_persistent_many_items_per_cta(h_q, normalize, monkeypatch):
+    """A persistent grid of a few CTAs (each runs many (token, head group) items with its KV ring
+    and partial-sum ring running on across them, the next item's Q loaded under the last block):
+    bitwise the one-CTA-per-item grid, and the reference -- with rows of 0, 1, 63, 64, 65 and all
+    slots, so that items without blocks and with an odd block count sit between full ones."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, topk = 157, 384
+    case = make_case(s_q, h_q, 576, 1500, topk, device="cuda", invalid_frac=0.05)
+    lengths = torch.tensor([0, 1, 63, 64, 65, topk, 0, 0, 200, topk], dtype=torch.int32)
+    case.topk_length = lengths.repeat(s_q // len(lengths) + 1)[:s_q].to("cuda")
+    _, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)
+    base = _attn_dist_with_ctas(case, normalize, 0, monkeypatch, lse)
+    want = ref.attn_dist_ref(case.q.float(), case.kv.float(), case.indices, lse, case.sm_scale,
+                             case.topk_length, normalize)
+    assert not torch.isnan(base).any()
+    assert rel_l2(base, want) <= 1e-3, f"rel L2 {rel_l2(base, want):.3g}"
+    valid = ref.valid_mask(case.indices, case.kv.shape[0], case.topk_length)
+    for ctas in (1, 3, 7, 132):
+        got = _attn_dist_with_ctas(case, normalize, ctas, monkeypatch, lse)
+        assert (got[~valid] == 0).all(), f"ctas={ctas}: invalid slots / empty rows must be exactly 0"
+        if normalize and h_q == 64:
+            # tokens mode: which warpgroup takes a block follows the CTA's running block count, so
+            # the row total's partial sums group differently with the grid (values: bitwise; the
+            # normalising total: to rounding)
+            torch.testing.assert_close(got, base, rtol=1e-6, atol=0.0)
+        else:
+            assert torch.equal(got, base), f"ctas={ctas}: differs from the one-CTA-per-item grid"
+
+
+
+@pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512), (192, 576)])
+@pytest.mark.parametrize("ctas", [0, 5])
+def test_attn_dist_q_by_vector_loads_is_bitwise_the_same(h_q, d_qk, ctas, monkeypatch):
+    """MLA_KERNELS_ATTN_DIST_QVEC=1 (Q by 16-byte loads and a word transpose in each lane quad)
+    puts the same Q values into the same registers: the output is bitwise the default's."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    case = make_case(77, h_q, d_qk, 900, 256, device="cuda", invalid_frac=0.05, empty_rows=2, topk_length=True)
+    _, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", str(ctas))
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "0")
+    base = mk.attn_dist(case.q, case.kv, case.indices, lse, case.sm_scale, case.topk_length)
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "1")
+    got = mk.attn_dist(case.q, case.kv, case.indices, lse, case.sm_scale, case.topk_length)
+    torch.cuda.synchronize()
+    want = ref.attn_dist_ref(case.q.float(), case.kv.float(), case.indices, lse, case.sm_scale, case.topk_length)
+    assert rel_l2(base, want) <= 1e-3
+    assert torch.equal(got, base), "Q by vector loads differs from Q by 4-byte loads"
+
+
+def test_attn_dist_q_by_vector_loads_past_2g_offsets(monkeypatch):
+    """The 16-byte Q loads address rows past 2^31 bytes of q (64-bit offsets): s_q 16,400 at h_q
+    128, d_qk 576 is 2.4 GB of q; bitwise the 4-byte loads' result (persistent and not)."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, h_q, d_qk, s_kv, topk = 16400, 128, 576, 256, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(s_q, h_q, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(s_kv, 1, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32, generator=g)
+    lse = torch.randn(s_q, h_q, device="cuda", generator=g) + 8.0
+    scale = d_qk ** -0.5
+    for ctas in ("0", "auto"):
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", ctas)
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "0")
+        base = mk.attn_dist(q, kv, idx, lse, scale)
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "1")
+        got = mk.attn_dist(q, kv, idx, lse, scale)
+        torch.cuda.synchronize()
+        assert torch.isfinite(base).all() and base[-1].abs().sum() > 0
+        assert torch.equal(got, base), f"ctas={ctas}: Q by vector loads differs past 2^31 bytes"

@@ -161,3 +161,24 @@ def test_bench_back_to_back_on_cpu(tmp_path, capsys):
     assert calls == [0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1] and len(times) == 4  # 4 samples x 3 calls, sets rotate
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--cpu", "--b2b", "-1"])
+
+
+def test_ab_bench_variant_specs_and_knobs(monkeypatch):
+    """ab_bench's NAME=DIR[@K=V;K=V] variants: the knobs are set around a variant's calls only."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))  # ab_bench imports bench from its directory
+    try:
+        ab = load("ab_bench")
+    finally:
+        sys.path.pop(0)
+    assert ab.parse_variant("new=.") == ("new", ".", {})
+    assert ab.parse_variant("p=.@MLA_KERNELS_ATTN_DIST_CTAS=auto;X=1") == (
+        "p", ".", {"MLA_KERNELS_ATTN_DIST_CTAS": "auto", "X": "1"})
+    assert ab.parse_variant("c=@cudnn") == ("c", "@cudnn", {})
+    for bad in ("=.", "x=", "x=.@=1"):
+        with pytest.raises(SystemExit):
+            ab.parse_variant(bad)
+    monkeypatch.setenv("AB_KNOB_A", "before")
+    monkeypatch.delenv("AB_KNOB_B", raising=False)
+    with ab._Knobs({"AB_KNOB_A": "in", "AB_KNOB_B": "in"}):
+        assert os.environ["AB_KNOB_A"] == "in" and os.environ["AB_KNOB_B"] == "in"
+    assert os.environ["AB_KNOB_A"] == "before" and "AB_KNOB_B" not in os.environ

@@ -4,9 +4,11 @@
   python tools/ab_bench.py --variant new=. --variant base=/path/to/old/checkout \
       [--ops fwd,bwd] [--shapes v32-h128-kv32k,...] [--rounds 60]
 
-Each ``NAME=DIR`` names a directory holding a ``mla_kernels`` package (a checkout or an exported
-tree).  Every variant is imported under its own module name, so their compiled kernels live side by
-side; then, round after round, each variant runs one call of the public API on the same rotated
+Each ``NAME=DIR[@K=V;K=V]`` names a directory holding a ``mla_kernels`` package (a checkout or an
+exported tree) and optional environment knobs set around that variant's calls (knobs the package
+reads per call, e.g. ``.@MLA_KERNELS_ATTN_DIST_CTAS=auto``).  Every directory is imported once, under
+its own module name, so the compiled kernels of all variants live side by side; then, round after
+round, each variant runs one call of the public API on the same rotated
 input sets (the order rotates every round), timed with CUDA events.  Interleaving cancels the
 clock and power drift that makes two back-to-back ``tools/bench.py`` runs differ by up to ~10% on
 an H200 (the first variant's rounds do not run on a cooler GPU than the last's).  Prints the
@@ -81,10 +83,46 @@ def load_variant(name: str, root: str):
     return importlib.import_module(mod)
 
 
+def parse_variant(spec: str):
+    """``NAME=DIR[@K=V;K=V]`` -> ``(name, dir, {K: V})``."""
+    name, _, rest = spec.partition("=")
+    if rest == "@cudnn":  # the cuDNN-frontend peer
+        return name, rest, {}
+    root, _, opts = rest.partition("@")
+    env = {}
+    for kv in filter(None, opts.split(";")):
+        k, _, v = kv.partition("=")
+        if not k:
+            raise SystemExit(f"--variant: empty knob name in {spec!r}")
+        env[k] = v
+    if not name or not root:
+        raise SystemExit(f"--variant wants NAME=DIR[@K=V;...], got {spec!r}")
+    return name, root, env
+
+
+class _Knobs:
+    """Set a variant's environment knobs for the duration of a ``with`` block."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR",
-                    help="a package copy to time (repeat; the first is the reference of the ratios)")
+    ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[@K=V;...]",
+                    help="a package copy to time, with optional environment knobs (repeat; the first is the "
+                         "reference of the ratios)")
     ap.add_argument("--ops", default="fwd,bwd", help="comma-separated subset of fwd,attn_dist,bwd,bwd_det")
     ap.add_argument("--shapes", default="v32-h128-kv32k", help="comma-separated tools/bench.py shape names")
     ap.add_argument("--rounds", type=int, default=60, help="timed rounds (one call per variant each)")
@@ -97,12 +135,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("ab_bench: needs a CUDA GPU")
         return 2
-    variants = []
+    variants, knobs, by_root = [], {}, {}
     for spec in args.variant:
-        name, _, root = spec.partition("=")
-        if not name or not root:
-            ap.error(f"--variant wants NAME=DIR, got {spec!r}")
-        variants.append((name, load_variant(name, root)))
+        name, root, env = parse_variant(spec)
+        if root not in by_root:  # one import per directory: variants of it differ in knobs only
+            by_root[root] = load_variant(name, root)
+        variants.append((name, by_root[root]))
+        knobs[name] = _Knobs(env)
     shapes = {s[0]: s for s in bench.HEADLINE}
     ops = [o for o in args.ops.split(",") if o]
     for o in ops:
@@ -144,9 +183,10 @@ def main(argv=None) -> int:
                 this = {}
                 for n, mk in order:
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    call(mk, r % args.sets)
-                    b.record()
+                    with knobs[n]:
+                        a.record()
+                        call(mk, r % args.sets)
+                        b.record()
                     b.synchronize()
                     this[n] = a.elapsed_time(b)
                 if r >= args.warmup:

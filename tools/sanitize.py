@@ -58,16 +58,21 @@ class Group:
     topk_length: bool
     sink: bool
     normalize: bool  # attn_dist's fused (or host-side) normalisation
-    ops: Tuple[str, ...]  # fwd, attn_dist, bwd, bwd_asum, bwd_det, bwd_det_asum, bwd_dlse
+    # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA),
+    # attn_dist_qvec (the same with Q by 16-byte loads and quad shuffles), bwd, bwd_asum, bwd_det,
+    # bwd_det_asum, bwd_dlse
+    ops: Tuple[str, ...]
 
 
 #: Together: both d_qk, h_q 64 / 128 / 192 (attn_dist heads and tokens modes, an odd number of
 #: head blocks: no backward cluster pair), topk_length and attn_sink on and off, attn_sum scaled
 #: (sink) and unscaled, deterministic with the segment-sum reduction, dlse.
 GROUPS = (
-    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "bwd", "bwd_asum", "bwd_det", "bwd_dlse")),
-    Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "bwd", "bwd_asum", "bwd_det_asum")),
-    Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "bwd", "bwd_det", "bwd_dlse")),
+    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qvec", "bwd",
+                                            "bwd_asum", "bwd_det", "bwd_dlse")),
+    Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qvec", "bwd",
+                                             "bwd_asum", "bwd_det_asum")),
+    Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det", "bwd_dlse")),
     Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "bwd_asum", "bwd_det")),
     Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
     # the decode path (paged cache, block table, q_bias, split-top-k + lse combine, one-split
@@ -98,7 +103,7 @@ def config_label(g: Group, op: str) -> str:
         opts.append("topk_len")
     if g.sink:
         opts.append("sink")
-    if op == "attn_dist" and g.normalize:
+    if op.startswith("attn_dist") and g.normalize:
         opts.append("norm")
     return f"{op:<13} " + " ".join(opts)
 
@@ -202,6 +207,16 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
         want_asum = ref.attn_dist_ref(q.float(), kv.float(), idx, want_lse, sm_scale, tl, g.normalize)
         step("attn_dist", lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
              lambda r: [("attn_sum", r, want_asum, 1e-3)])
+    for op, knobs in (("attn_dist_persist", {"MLA_KERNELS_ATTN_DIST_CTAS": "3"}),
+                      ("attn_dist_qvec", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QVEC": "1"})):
+        if op in g.ops:
+            os.environ.update(knobs)
+            try:
+                step(op, lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
+                     lambda r: [("attn_sum", r, want_asum, 1e-3)])
+            finally:
+                for k in knobs:
+                    del os.environ[k]
 
     bwd_ref = {}
 

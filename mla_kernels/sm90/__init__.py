@@ -11,6 +11,7 @@ d_attn_sink) live in ``common/bwd_host.py`` (shared with sm100).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from .. import _compile
@@ -39,13 +40,55 @@ def attn_dist_mode(h_q: int) -> str:
     return "heads" if h_q % 128 == 0 else "tokens"
 
 
-def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_90a", **kw):
+def attn_dist_ctas(device, h_q: int = 128, s_q: int = 1 << 30) -> int:
+    """The attention distribution's grid: ``N`` > 0 -- persistent, at most N CTAs each running
+    several (token, head group) items; 0 -- one CTA per item (the default).
+
+    ``MLA_KERNELS_ATTN_DIST_CTAS`` chooses: unset or ``0`` -- one CTA per item; ``auto`` --
+    persistent with one CTA per SM (a CTA fills an SM's shared memory) in ``heads`` mode when there
+    are more items than SMs, else one CTA per item (``tokens`` mode measured no faster persistent);
+    ``N`` -- at most N CTAs in every mode (tests use a few, so that every CTA runs many items).
+    The persistent grid is opt-in until its final form has run on a GPU (docs/PERF.md)."""
+    env = os.environ.get("MLA_KERNELS_ATTN_DIST_CTAS", "").strip()
+    if env == "":
+        return 0
+    if env == "auto":
+        if attn_dist_mode(h_q) != "heads":
+            return 0
+        n_sm = _sm_count(device)
+        return n_sm if s_q * (h_q // 128) > n_sm else 0
+    try:
+        n = int(env)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"MLA_KERNELS_ATTN_DIST_CTAS must be 'auto' or an integer >= 0, got {env!r}")
+    return n
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device) -> int:
+    """The SM count of ``device`` (looked up once per device: the lookup costs host time)."""
+    key = (device.type, device.index)
+    n = _SM_COUNTS.get(key)
+    if n is None:
+        from ..decode import device_sm_count
+
+        n = _SM_COUNTS[key] = device_sm_count(device)
+    return n
+
+
+def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_90a",
+                      ctas: int = 0, profile: str = "", q_vec: bool = False, **kw):
     """Compile the sm90 attention distribution for one static configuration (no GPU needed).
 
-    ``normalize`` is fused only when one CTA covers all heads of a token (h_q 64 or 128)."""
+    ``normalize`` is fused only when one CTA covers all heads of a token (h_q 64 or 128);
+    ``ctas`` > 0 makes the grid persistent with at most that many CTAs (see ``attn_dist.py``)."""
     from .attn_dist import AttnDistSm90
 
-    kernel = AttnDistSm90(d_qk, attn_dist_mode(h_q), normalize, has_topk_length)
+    kernel = AttnDistSm90(d_qk, attn_dist_mode(h_q), normalize, has_topk_length, ctas, profile, q_vec)
     return kernel, _compile.compile_kernel(kernel, *attn_dist_fake_args(d_qk, h_q, 64), arch=arch, **kw)
 
 
@@ -154,8 +197,14 @@ class Sm90Backend(CuteKernelBackend):
     def attn_dist_kernel(self, p: Problem, fused_normalize: bool):
         arch = _compile.arch_for_device(p.device)
         has_tl = p.topk_length is not None
-        return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch),
-                      lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch))
+        ctas = attn_dist_ctas(p.device, p.h_q, p.s_q)
+        # a timing copy (wrong outputs) for measurements: MLA_KERNELS_ATTN_DIST_PROFILE=noq (persistent
+        # grids only) -- a CTA's later items reuse its first item's Q, so the difference is the Q loads
+        prof = os.environ.get("MLA_KERNELS_ATTN_DIST_PROFILE", "") if ctas else ""
+        # Q by 16-byte loads and quad shuffles (MLA_KERNELS_ATTN_DIST_QVEC=1; opt-in until measured)
+        qvec = os.environ.get("MLA_KERNELS_ATTN_DIST_QVEC", "0") == "1"
+        return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec),
+                      lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec))
 
 
     # -- the indexer (host side in indexer_host.py) ---------------------------------------------

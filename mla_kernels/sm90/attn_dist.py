@@ -1,6 +1,6 @@
 """Attention distribution on Hopper (sm_90a), CuTe DSL: ``attn_sum[i, j] = sum_h exp(S_ij,h - lse_ih)``.
 
-The DSA indexer's KL target.  One CTA per query token (and head group); 384 threads:
+The DSA indexer's KL target.  Work items are (query token, head group); 384 threads per CTA:
 
 * WG2 -- producer: the forward's top-k KV gather (:class:`~mla_kernels.common.gather.KvGather`)
   into a ring of ``NB`` full-width KV buffers, plus each block's validity bitmask.
@@ -24,6 +24,16 @@ The DSA indexer's KL target.  One CTA per query token (and head group); 384 thre
 
 For more than one head group per token (h_q > 128) each group writes its own partial row into a
 workspace and the host sums the groups (and normalises).
+
+Persistent grid (``ctas`` > 0; opt-in: ``MLA_KERNELS_ATTN_DIST_CTAS``, see
+``sm90/__init__.attn_dist_ctas``): CTA ``c`` runs items
+``c, c + grid, ...``; the producer's KV ring and the partial-sum ring run on across items (their
+slots and phases follow the CTA's running block count), so the next item's first blocks are
+gathered while the consumers finish the current one, and each consumer loads the next item's Q
+(and lse terms) right after its last wgmma of the current item, under that block's exponentials.
+In ``tokens`` mode a warpgroup takes the blocks whose CTA-wide index has its parity (so that its
+consecutive blocks stay two apart in the ring across items: the parity waits stay unambiguous).
+``ctas`` = 0: one CTA per item, straight-line (no item loop).  docs/PERF.md has the measurements.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
@@ -52,7 +62,8 @@ BAR_TOTAL2 = 5
 class AttnDistSm90:
     """Static configuration + host launcher + device kernel of the sm90 attention distribution."""
 
-    def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool):
+    def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool, ctas: int = 0,
+                 profile: str = "", q_vec: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 attn_dist supports d_qk 512 or 576, got {d_qk}")
         if mode not in ("heads", "tokens"):
@@ -61,6 +72,22 @@ class AttnDistSm90:
         self.mode = mode
         self.normalize = normalize
         self.has_topk_length = has_topk_length
+        if ctas < 0:
+            raise ValueError(f"ctas must be >= 0, got {ctas}")
+        #: persistent grid: at most this many CTAs, each looping over work items (token, head
+        #: group) with its KV ring running on across them; 0: one CTA per work item
+        self.ctas = ctas
+        if profile not in ("", "noq"):
+            raise ValueError(f"profile must be '' or 'noq', got {profile!r}")
+        if profile and not ctas:
+            raise ValueError("profile 'noq' needs a persistent grid (ctas > 0)")
+        #: timing copies only (wrong outputs): ``"noq"`` -- a persistent CTA loads Q and lse for its
+        #: first item only and reuses them, so the difference to the real kernel is the per-item Q load
+        self.profile = profile
+        #: Q into the wgmma's A registers by 16-byte loads and a 4 x 4 word transpose in each lane
+        #: quad (36 loads and 144 shuffles per thread) instead of 144 four-byte loads, each of which
+        #: touches 8 half-used sectors (opt-in until measured)
+        self.q_vec = q_vec
         self.n_k_tiles = d_qk // 64
         self.nb = 3  # KV ring depth
         self.heads_per_cta = 2 * B_H if mode == "heads" else B_H
@@ -101,14 +128,18 @@ class AttnDistSm90:
             psum: cute.struct.Align[cute.struct.MemRange[Float32, self.psum_elems], 16]
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.nb + 4]
             sValid: cute.struct.MemRange[Uint32, 2 * self.nb]
-            sTotal: cute.struct.MemRange[Float32, 8]
+            sTotal: cute.struct.MemRange[Float32, 16]  # [item parity][warp]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
         s_q = mQ.shape[0]
         n_groups = mQ.shape[1] // self.heads_per_cta
+        n_items = s_q * n_groups
+        grid = n_items
+        if const_expr(self.ctas > 0):
+            grid = cutlass.min(n_items, Int32(self.ctas))
         self.kernel(mQ, mKV, mIdx, mTopkLen, mLse, mOut, scale_log2, sK_layout, SharedStorage, n_groups).launch(
-            grid=[s_q * n_groups, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream,
             min_blocks_per_mp=1,
         )
 
@@ -128,10 +159,12 @@ class AttnDistSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
         idx_in_wg = tidx % 128
-        grp = bidx % n_groups
+        n_items = mQ.shape[0] * n_groups
+        grp = bidx % n_groups  # the item of a one-item CTA
         s_idx = bidx // n_groups
         heads_mode = const_expr(self.mode == "heads")
 
@@ -151,46 +184,74 @@ class AttnDistSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        topk = mIdx.shape[1]
-        topk_len = topk
-        if const_expr(self.has_topk_length):
-            topk_len = mTopkLen[s_idx]
-        num_blocks = (topk_len + (B_TOPK - 1)) // B_TOPK
+        num_blocks = None
+        if const_expr(self.ctas == 0):
+            num_blocks = (self._topk_len(mIdx, mTopkLen, s_idx) + (B_TOPK - 1)) // B_TOPK
 
         sK_base = storage.sK.data_ptr()
         sValid = storage.sValid.get_tensor(cute.make_layout(2 * self.nb))
         psum = storage.psum.get_tensor(cute.make_layout(self.psum_elems))
-        sTotal = storage.sTotal.get_tensor(cute.make_layout(8))
+        sTotal = storage.sTotal.get_tensor(cute.make_layout(16))
         buf_elems = cute.cosize(sK_layout)
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
-            gather = KvGather(mKV, mIdx, s_idx, topk_len, idx_in_wg, self.d_qk, slots=1)
             buf0_addr = dev.smem_addr_u32(sK_base)
             warp_in_wg = warp_idx % 4
-            for b in cutlass.range(num_blocks, unroll=1):
-                slot = b % self.nb
-                bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
-                gather.load_indices(b, 0)
-                bits = gather.valid_word(b)
-                bars.wait_free((b // self.nb) & 1)
-                gather.copy_tiles(buf0_addr + slot * (buf_elems * 2), 0, 0, self.n_k_tiles)
-                bars.commit_cp_async()
-                if warp_in_wg < 2:
-                    if idx_in_wg % 32 == 0:
-                        sValid[2 * slot + warp_in_wg] = bits
-                        cute.arch.mbarrier_arrive(bars.ready)
+            if const_expr(self.ctas > 0):
+                g0 = Int32(0)  # blocks gathered for this CTA's earlier items (the ring runs on)
+                for item in cutlass.range(bidx, n_items, n_ctas, unroll=1):
+                    g0 = g0 + self._produce_item(mIdx, mKV, mTopkLen, sValid, mbar, buf0_addr, buf_elems,
+                                                 item // n_groups, g0, idx_in_wg, warp_in_wg)
+            else:
+                self._produce_item(mIdx, mKV, mTopkLen, sValid, mbar, buf0_addr, buf_elems, s_idx, 0, idx_in_wg,
+                                   warp_in_wg, num_blocks)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
-                mQ, mLse, mOut, scale_log2, sK_layout, sK_base, sValid, psum, sTotal, mbar,
-                s_idx, grp, num_blocks, topk, wg, idx_in_wg, warp_idx,
+                mQ, mIdx, mTopkLen, mLse, mOut, scale_log2, sK_layout, sK_base, sValid, psum, sTotal, mbar,
+                n_groups, n_items, bidx, n_ctas, wg, idx_in_wg, warp_idx, grp, s_idx, num_blocks,
             )
+
+    @cute.jit
+    def _produce_item(self, mIdx: cute.Tensor, mKV: cute.Tensor, mTopkLen: cute.Tensor, sValid: cute.Tensor,
+                      mbar: cute.Pointer, buf0_addr: Int32, buf_elems: cutlass.Constexpr, s_idx: Int32, g0,
+                      idx_in_wg: Int32, warp_in_wg: Int32, num_blocks=None) -> Int32:
+        """Gather token ``s_idx``'s blocks into the ring (its block ``b`` is the CTA's ``g0 + b``-th:
+        slot ``(g0 + b) % nb``), publishing each block's validity words; returns the block count
+        (``num_blocks``: already known)."""
+        topk_len = self._topk_len(mIdx, mTopkLen, s_idx)
+        if const_expr(num_blocks is None):
+            num_blocks = (topk_len + (B_TOPK - 1)) // B_TOPK
+        gather = KvGather(mKV, mIdx, s_idx, topk_len, idx_in_wg, self.d_qk, slots=1)
+        for b in cutlass.range(num_blocks, unroll=1):
+            g = g0 + b
+            slot = g % self.nb
+            bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
+            gather.load_indices(b, 0)
+            bits = gather.valid_word(b)
+            bars.wait_free((g // self.nb) & 1)
+            gather.copy_tiles(buf0_addr + slot * (buf_elems * 2), 0, 0, self.n_k_tiles)
+            bars.commit_cp_async()
+            if warp_in_wg < 2:
+                if idx_in_wg % 32 == 0:
+                    sValid[2 * slot + warp_in_wg] = bits
+                    cute.arch.mbarrier_arrive(bars.ready)
+        return num_blocks
+
+    @cute.jit
+    def _topk_len(self, mIdx: cute.Tensor, mTopkLen: cute.Tensor, s_idx: Int32) -> Int32:
+        topk_len = mIdx.shape[1]
+        if const_expr(self.has_topk_length):
+            topk_len = mTopkLen[s_idx]
+        return topk_len
 
     @cute.jit
     def consumer(
         self,
         mQ: cute.Tensor,
+        mIdx: cute.Tensor,
+        mTopkLen: cute.Tensor,
         mLse: cute.Tensor,
         mOut: cute.Tensor,
         scale_log2: Float32,
@@ -200,45 +261,107 @@ class AttnDistSm90:
         psum: cute.Tensor,
         sTotal: cute.Tensor,
         mbar: cute.Pointer,
-        s_idx: Int32,
-        grp: Int32,
-        num_blocks: Int32,
-        topk: Int32,
+        n_groups: Int32,
+        n_items: Int32,
+        first_item: Int32,
+        n_ctas: Int32,
         wg: Int32,
         idx_in_wg: Int32,
         warp_idx: Int32,
+        grp: Int32,
+        s_idx: Int32,
+        num_blocks,
     ):
+        """WG0 / WG1: the CTA's items (``grp`` / ``s_idx`` / ``num_blocks``: a one-item CTA's)."""
         heads_mode = const_expr(self.mode == "heads")
         mma = self._mma()
         thr = mma.get_slice(idx_in_wg)
+        head_off = wg * B_H if heads_mode else 0
+        row0 = dev.fragment_row(idx_in_wg, 0)
+        row1 = dev.fragment_row(idx_in_wg, 1)
+
+        # Q (64 heads x d_qk) straight from global into the RS A-operand registers, with its two
+        # lse terms; in a persistent CTA the next item's are loaded right after the last wgmma of
+        # the current one (under that block's exponentials and partial sums).
+        tSrQ = thr.make_fragment_A(thr.partition_shape_A((B_H, self.d_qk)))
+        acc_s = thr.make_fragment_C(thr.partition_shape_C((B_H, B_TOPK)))
+        colsum = cute.make_rmem_tensor((16,), Float32)
+        args = (mQ, mIdx, mTopkLen, mLse, mOut, scale_log2, sK_layout, sK_base, sValid, psum, sTotal, mbar, n_groups,
+                n_items, n_ctas, thr, tSrQ, acc_s, colsum, wg, idx_in_wg, warp_idx, head_off, row0, row1)
+        if const_expr(self.ctas > 0):
+            q_item = Int32(-1)  # the item whose Q (and lse terms) the registers hold
+            nlse0 = Float32(0.0)
+            nlse1 = Float32(0.0)
+            g0 = Int32(0)  # KV ring: blocks of this CTA's earlier items (the producer's count)
+            r0 = Int32(0)  # partials ring / parity: this warpgroup's blocks of earlier items
+            n_done = Int32(0)  # items done (the row-total exchange's parity)
+            for item in cutlass.range(first_item, n_items, n_ctas, unroll=1):
+                i_grp = item % n_groups
+                i_tok = item // n_groups
+                need_q = q_item != item
+                if const_expr(self.profile == "noq"):
+                    need_q = q_item < 0  # the first item only: every later one runs on its Q (timing copy)
+                if need_q:
+                    nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, i_tok, i_grp, head_off, row0, row1)
+                    q_item = item
+                i_blocks = (self._topk_len(mIdx, mTopkLen, i_tok) + (B_TOPK - 1)) // B_TOPK
+                n_mine, q_item, nlse0, nlse1 = self._consume_item(
+                    *args, item, i_grp, i_tok, i_blocks, g0, r0, n_done, q_item, nlse0, nlse1)
+                g0 = g0 + i_blocks
+                r0 = r0 + n_mine
+                n_done = n_done + 1
+        else:
+            nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, s_idx, grp, head_off, row0, row1)
+            self._consume_item(*args, first_item, grp, s_idx, num_blocks, 0, 0, 0, first_item, nlse0, nlse1)
+
+    @cute.jit
+    def _consume_item(self, mQ: cute.Tensor, mIdx: cute.Tensor, mTopkLen: cute.Tensor, mLse: cute.Tensor,
+                      mOut: cute.Tensor, scale_log2: Float32, sK_layout: cute.ComposedLayout, sK_base: cute.Pointer,
+                      sValid: cute.Tensor, psum: cute.Tensor, sTotal: cute.Tensor, mbar: cute.Pointer,
+                      n_groups: Int32, n_items: Int32, n_ctas: Int32, thr, tSrQ: cute.Tensor, acc_s: cute.Tensor,
+                      colsum: cute.Tensor, wg: Int32, idx_in_wg: Int32, warp_idx: Int32, head_off: int,
+                      row0: Int32, row1: Int32, item: Int32, grp: Int32, s_idx: Int32, num_blocks: Int32, g0, r0,
+                      n_done, q_item: Int32, neg_lse0: Float32, neg_lse1: Float32):
+        """One work item of a consumer warpgroup (its Q in ``tSrQ``, its ``-lse log2(e)`` terms given):
+        the blocks, the row's tail zeros and normalisation.  ``g0`` / ``r0`` / ``n_done``: the CTA's
+        KV-ring blocks, this warpgroup's partial-sum ring entries and items before this one (Python
+        0 in a one-item CTA).  Returns ``(this warpgroup's blocks, q_item, lse terms)`` -- the last
+        three of the next item when a persistent CTA loaded its Q early."""
+        heads_mode = const_expr(self.mode == "heads")
+        persistent = const_expr(self.ctas > 0)
         lane = idx_in_wg % 32
         lane_quad = idx_in_wg % 4
         warp_in_wg = warp_idx % 4
-        head0 = grp * self.heads_per_cta + (wg * B_H if heads_mode else 0)
-
-        # Q (64 heads x d_qk) straight from global into the RS A-operand registers.
-        gQ = cute.local_tile(mQ[s_idx, None, None], (B_H, self.d_qk), (head0 // B_H, 0))
-        tSrQ = thr.make_fragment_A(thr.partition_shape_A((B_H, self.d_qk)))
-        cute.autovec_copy(thr.partition_A(gQ), tSrQ)
-        neg_lse0 = -mLse[s_idx, head0 + dev.fragment_row(idx_in_wg, 0)] * dev.LOG2E
-        neg_lse1 = -mLse[s_idx, head0 + dev.fragment_row(idx_in_wg, 1)] * dev.LOG2E
-
-        acc_s = thr.make_fragment_C(thr.partition_shape_C((B_H, B_TOPK)))
-        colsum = cute.make_rmem_tensor((16,), Float32)
+        topk = mIdx.shape[1]
         # psum layout: [set][parity][warp][64]; the set is the WG in tokens mode.
         n_warps = 8 if heads_mode else 4
         pset = 0 if heads_mode else wg
         my_warp = warp_idx if heads_mode else warp_in_wg
-        total = Float32(0.0)
-
-        first = 0 if heads_mode else wg
         stride = 1 if heads_mode else 2
+        me = wg * 128 + idx_in_wg
+        nlse0 = neg_lse0
+        nlse1 = neg_lse1
+
+        nxt = item + n_ctas
+        # tokens mode: WG w takes the blocks whose CTA-wide index g0 + b has parity w, so that
+        # a warpgroup's consecutive blocks are 2 apart in the ring across items too: when it
+        # waits for block g it has seen block g - 2 land, hence g - 3 (the ring's previous
+        # use of the slot, landed in order before g - 2), and the parity wait cannot pass on
+        # that slot's phase before last (a per-item alternation broke this after items with
+        # 0 or 1 blocks: compute-sanitizer's synccheck reported the missed phase)
+        first = 0
+        if const_expr(not heads_mode):
+            first = wg
+            if const_expr(persistent):
+                first = (wg + g0) & 1
         n_mine = (num_blocks - first + (stride - 1)) // stride
+        total = Float32(0.0)
         for i in cutlass.range(n_mine, unroll=1):
             b = first + i * stride
-            slot = b % self.nb
+            g = g0 + b
+            slot = g % self.nb
             bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
-            bars.wait_ready((b // self.nb) & 1)
+            bars.wait_ready((g // self.nb) & 1)
             mma = self._mma()  # fresh per region: the ACCUMULATE field must not escape the loop
             sK = cute.make_tensor(
                 cute.recast_ptr((sK_base + slot * cute.cosize(sK_layout)).align(1024), sK_layout.inner),
@@ -253,29 +376,39 @@ class AttnDistSm90:
             if const_expr(heads_mode):
                 # WG0 combines the previous block while this block's wgmma runs.
                 if (wg == 0) & (i > 0):
-                    total = self._combine(psum, mOut, mbar, grp, s_idx, i - 1, idx_in_wg, total)
+                    total = self._combine(psum, mOut, mbar, grp, s_idx, r0 + i - 1, i - 1, idx_in_wg, total)
             cute.nvgpu.warpgroup.wait_group(0)
             lo = sValid[2 * slot] >> Uint32(2 * lane_quad)
             hi = sValid[2 * slot + 1] >> Uint32(2 * lane_quad)
             bars.release()
+            # (q_vec: the loads feed shuffles right away -- no latency to hide, and the early copy
+            # spills: the next item's Q is loaded at its start instead)
+            if const_expr(persistent and self.profile != "noq" and not self.q_vec):
+                if (i == n_mine - 1) & (nxt < n_items):
+                    # the registers of Q are free: the next item's Q loads fly under this block's math
+                    nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, nxt // n_groups, nxt % n_groups, head_off,
+                                                row0, row1)
+                    q_item = nxt
 
             # P = exp2(S*c - lse*log2e), invalid slots 0; sum this thread's two rows per column.
             # (The mask is fused as a select rather than the forward's S = -inf pass: one pass
             # fewer, and a caller's lse = -inf cannot turn a masked slot into NaN.)
-            for g in cutlass.range_constexpr(8):
-                word = lo if g < 4 else hi
+            for gi in cutlass.range_constexpr(8):
+                word = lo if gi < 4 else hi
                 for v0 in cutlass.range_constexpr(2):
-                    p0 = cute.math.exp2(acc_s[dev.acc_flat(v0, 0, g)] * scale_log2 + neg_lse0, fastmath=True)
-                    p1 = cute.math.exp2(acc_s[dev.acc_flat(v0, 1, g)] * scale_log2 + neg_lse1, fastmath=True)
-                    bit = (word >> Uint32(8 * (g % 4) + v0)) & Uint32(1)
-                    colsum[2 * g + v0] = Float32(cutlass.select_(bit != Uint32(0), p0 + p1, Float32(0.0)))
+                    p0 = cute.math.exp2(acc_s[dev.acc_flat(v0, 0, gi)] * scale_log2 + neg_lse0, fastmath=True)
+                    p1 = cute.math.exp2(acc_s[dev.acc_flat(v0, 1, gi)] * scale_log2 + neg_lse1, fastmath=True)
+                    bit = (word >> Uint32(8 * (gi % 4) + v0)) & Uint32(1)
+                    colsum[2 * gi + v0] = Float32(cutlass.select_(bit != Uint32(0), p0 + p1, Float32(0.0)))
             # Reduce-scatter over the 8 row groups of the warp: lane l ends with columns 2l and
             # 2l+1 summed over the warp's 16 heads.
             dev.warp_reduce_scatter_cols(colsum, lane)
+            r = r0 + i
             if const_expr(heads_mode):
-                ring = dev.HalfBufferBarriers(mbar + 2 * self.nb + 2 * (i & 1), mbar + 2 * self.nb + 2 * (i & 1) + 1)
-                ring.wait_free((i // 2) & 1)  # WG0 has combined block i - 2 out of this slot
-            base = ((pset * 2 + (i & 1)) * n_warps + my_warp) * B_TOPK + 2 * lane
+                ring = dev.HalfBufferBarriers(mbar + 2 * self.nb + 2 * (r & 1),
+                                              mbar + 2 * self.nb + 2 * (r & 1) + 1)
+                ring.wait_free((r // 2) & 1)  # WG0 has combined block r - 2 out of this slot
+            base = ((pset * 2 + (r & 1)) * n_warps + my_warp) * B_TOPK + 2 * lane
             psum[base] = colsum[0]
             psum[base + 1] = colsum[1]
             if const_expr(heads_mode):
@@ -284,7 +417,7 @@ class AttnDistSm90:
                 cute.arch.barrier(barrier_id=BAR_PSUM_WG0 + wg, number_of_threads=128)
                 # One pass over the warps' partials: the first 64 threads of the WG write the block.
                 if idx_in_wg < B_TOPK:
-                    src = (pset * 2 + (i & 1)) * n_warps * B_TOPK + idx_in_wg
+                    src = (pset * 2 + (r & 1)) * n_warps * B_TOPK + idx_in_wg
                     acc = Float32(0.0)
                     for w in cutlass.range_constexpr(n_warps):
                         acc = acc + psum[src + w * B_TOPK]
@@ -292,42 +425,106 @@ class AttnDistSm90:
                     total = total + acc
         if const_expr(heads_mode):
             if (wg == 0) & (n_mine > 0):
-                total = self._combine(psum, mOut, mbar, grp, s_idx, n_mine - 1, idx_in_wg, total)
+                total = self._combine(psum, mOut, mbar, grp, s_idx, r0 + n_mine - 1, n_mine - 1, idx_in_wg,
+                                      total)
 
         # Slots of blocks past topk_length are never gathered: write their zeros.
-        me = wg * 128 + idx_in_wg
         n_tail = topk - num_blocks * B_TOPK
         for t in cutlass.range((n_tail + 255 - me) // 256, unroll=1):
             mOut[grp, s_idx, num_blocks * B_TOPK + me + t * 256] = Float32(0.0)
 
         if const_expr(self.normalize):
             # Row total: the writers' partials -> smem -> all; then re-scale the row in place.
+            # (sTotal alternates between two halves by item, so a fast warp's next write cannot
+            # meet a slow warp's read of this item's totals.)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=16)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=8)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=4)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            half = 0
+            if const_expr(persistent):
+                half = (n_done & 1) * 8
             if lane == 0:
-                sTotal[warp_idx] = total
+                sTotal[half + warp_idx] = total
             cute.arch.barrier(barrier_id=BAR_TOTAL, number_of_threads=256)
             row_total = Float32(0.0)
             for w in cutlass.range_constexpr(8):
-                row_total = row_total + sTotal[w]
+                row_total = row_total + sTotal[half + w]
             inv = Float32(cutlass.select_(row_total > 0.0, 1.0 / row_total, Float32(0.0)))
             for t in cutlass.range((num_blocks * B_TOPK + 255 - me) // 256, unroll=1):
                 j = me + t * 256
                 mOut[grp, s_idx, j] = mOut[grp, s_idx, j] * inv
+        return n_mine, q_item, nlse0, nlse1
+
+    @cute.jit
+    def _load_q(self, thr, mQ: cute.Tensor, mLse: cute.Tensor, tSrQ: cute.Tensor, s_idx: Int32, grp: Int32,
+                head_off: int, row0: Int32, row1: Int32):
+        """Q of token ``s_idx``'s 64 heads of group ``grp`` (this warpgroup's) into the A-operand
+        registers; returns their ``-lse * log2(e)`` terms."""
+        head0 = grp * self.heads_per_cta + head_off
+        if const_expr(self.q_vec):
+            self._load_q_vec(mQ, tSrQ, s_idx, head0, row0)
+        else:
+            gQ = cute.local_tile(mQ[s_idx, None, None], (B_H, self.d_qk), (head0 // B_H, 0))
+            cute.autovec_copy(thr.partition_A(gQ), tSrQ)
+        return -mLse[s_idx, head0 + row0] * dev.LOG2E, -mLse[s_idx, head0 + row1] * dev.LOG2E
+
+    @cute.jit
+    def _load_q_vec(self, mQ: cute.Tensor, tSrQ: cute.Tensor, s_idx: Int32, head0: Int32, row0: Int32):
+        """``tSrQ`` (the RS wgmma's A fragment of Q rows ``head0 ..+ 64``) by 16-byte loads.
+
+        The fragment as 32-bit words: word ``4 k + e1 + 2 e2`` of a thread holds columns
+        ``16 k + 8 e2 + 2 q, +1`` of row ``row0 + 8 e1`` (``q`` = lane % 4).  Lane ``q`` of a quad
+        loads chunk ``q`` (columns ``32 j + 8 q ..+ 8``) of a row; the quad's four chunks then hold
+        the 16 words its lanes need for k-steps ``2 j, 2 j + 1``, lane ``q`` wanting word ``q`` of
+        every chunk: a 4 x 4 transpose by two butterfly exchanges (lane bit 1, then bit 0), each
+        swapping the two words whose index bit differs from the lane's."""
+        tidx, _, _ = cute.arch.thread_idx()
+        q = tidx % 4
+        b1 = (q & 2) != 0
+        b0 = (q & 1) != 0
+        words = cute.recast_tensor(tSrQ, Uint32)
+        assert cute.size(words) == 2 * (self.d_qk // 16) * 2, words.layout
+        h = mQ.shape[1]
+        v = cute.make_rmem_tensor((4,), Uint32)
+        for e1 in cutlass.range_constexpr(2):
+            # 64-bit element offset: s_q * h_q * d_qk may pass 2^31
+            row_ptr = mQ.iterator + ((Int64(s_idx) * h + (head0 + row0 + 8 * e1)) * self.d_qk + 8 * q)
+            for j in cutlass.range_constexpr(self.d_qk // 32):
+                src = cute.make_tensor(cute.recast_ptr((row_ptr + 32 * j).align(16), dtype=Uint32), cute.make_layout(4))
+                cute.autovec_copy(src, v)
+                # exchange across lane bit 1: keep the words whose index bit 1 is the lane's
+                sa = Uint32(cutlass.select_(b1, v[0], v[2]))
+                sb = Uint32(cutlass.select_(b1, v[1], v[3]))
+                ra = cute.arch.shuffle_sync_bfly(sa, offset=2)
+                rb = cute.arch.shuffle_sync_bfly(sb, offset=2)
+                n0 = Uint32(cutlass.select_(b1, ra, v[0]))
+                n1 = Uint32(cutlass.select_(b1, rb, v[1]))
+                n2 = Uint32(cutlass.select_(b1, v[2], ra))
+                n3 = Uint32(cutlass.select_(b1, v[3], rb))
+                # across lane bit 0
+                sa = Uint32(cutlass.select_(b0, n0, n1))
+                sb = Uint32(cutlass.select_(b0, n2, n3))
+                ra = cute.arch.shuffle_sync_bfly(sa, offset=1)
+                rb = cute.arch.shuffle_sync_bfly(sb, offset=1)
+                # lane q now holds word q of chunks 0..3 = k-step 2j (e2 0, 1), k-step 2j + 1 (e2 0, 1)
+                words[8 * j + e1] = Uint32(cutlass.select_(b0, ra, n0))
+                words[8 * j + 2 + e1] = Uint32(cutlass.select_(b0, n1, ra))
+                words[8 * j + 4 + e1] = Uint32(cutlass.select_(b0, rb, n2))
+                words[8 * j + 6 + e1] = Uint32(cutlass.select_(b0, n3, rb))
 
     @cute.jit
     def _combine(self, psum: cute.Tensor, mOut: cute.Tensor, mbar: cute.Pointer, grp: Int32, s_idx: Int32,
-                 j: Int32, idx_in_wg: Int32, total: Float32) -> Float32:
-        """Heads mode, WG0 only: once both warpgroups' partials of block ``j`` are in its
-        ring slot, threads 0..63 sum the 8 warps' partials of their column and write it; every
-        WG0 thread then frees the slot.  Returns ``total`` plus this thread's column sum."""
-        ring = dev.HalfBufferBarriers(mbar + 2 * self.nb + 2 * (j & 1), mbar + 2 * self.nb + 2 * (j & 1) + 1)
-        ring.wait_ready((j // 2) & 1)
+                 r: Int32, j: Int32, idx_in_wg: Int32, total: Float32) -> Float32:
+        """Heads mode, WG0 only: once both warpgroups' partials of block ``j`` of the item are in
+        partials-ring entry ``r`` (the CTA's running block count), threads 0..63 sum the 8 warps'
+        partials of their column and write it; every WG0 thread then frees the slot.  Returns
+        ``total`` plus this thread's column sum."""
+        ring = dev.HalfBufferBarriers(mbar + 2 * self.nb + 2 * (r & 1), mbar + 2 * self.nb + 2 * (r & 1) + 1)
+        ring.wait_ready((r // 2) & 1)
         if idx_in_wg < B_TOPK:
-            src = (j & 1) * 8 * B_TOPK + idx_in_wg
+            src = (r & 1) * 8 * B_TOPK + idx_in_wg
             acc = Float32(0.0)
             for w in cutlass.range_constexpr(8):
                 acc = acc + psum[src + w * B_TOPK]
