@@ -27,7 +27,8 @@ def sm90_report():
     from conftest import compile_records
 
     return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads",
-                                      "sm90_attn_dist_d576_h128_heads_persist", "sm90_bwd_d576_h128",
+                                      "sm90_attn_dist_d576_h128_heads_persist",
+                                      "sm90_attn_dist_d576_h128_heads_persist_qscalar", "sm90_bwd_d576_h128",
                                       "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64", "probe"})
 
 
@@ -55,9 +56,11 @@ def test_sm90_forward_compiles_with_hgmma_and_no_spills(sm90_report):
     assert r["sass"].get("UTMASTG.3D", 0) == 4 and r["sass"].get("UBLKCP.G.S", 0) == 2
 
 
-@pytest.mark.parametrize("name", ["sm90_attn_dist_d576_h128_heads", "sm90_attn_dist_d576_h128_heads_persist"])
+@pytest.mark.parametrize("name", ["sm90_attn_dist_d576_h128_heads", "sm90_attn_dist_d576_h128_heads_persist",
+                                  "sm90_attn_dist_d576_h128_heads_persist_qscalar"])
 def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report, name):
-    # _persist: the persistent grid (several items per CTA), opt-in
+    # _persist: the persistent grid (several items per CTA, the default at h_q 128 with more items
+    # than SMs); _qscalar: Q by 4-byte loads (MLA_KERNELS_ATTN_DIST_QVEC=0)
     r = sm90_report[name]
     assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
     if r["sass"] is None:

@@ -194,16 +194,21 @@ def test_backend_for_reports_kernel(gpu_like):
 
 
 def test_attn_dist_ctas_env(monkeypatch):
-    """The sm90 attention distribution's grid: one CTA per item unless MLA_KERNELS_ATTN_DIST_CTAS
-    asks for a persistent one ('auto': the SM count in heads mode with more items than SMs; N: at
-    most N CTAs); garbage is a clear error."""
+    """The sm90 attention distribution's grid: unset or 'auto' -- the SM count in heads mode with
+    more items than SMs, else one CTA per item; '0' -- one CTA per item; N -- at most N CTAs;
+    garbage is a clear error.  MLA_KERNELS_ATTN_DIST_QVEC: unset or 1 -- 16-byte Q loads, 0 --
+    4-byte loads, anything else an error."""
     pytest.importorskip("cutlass", reason="the sm90 backend module imports the CuTe DSL")
     from mla_kernels.sm90 import attn_dist_ctas
 
     cpu = torch.device("cpu")  # the decode module's default SM count stands in for a GPU's
     monkeypatch.delenv("MLA_KERNELS_ATTN_DIST_CTAS", raising=False)
+    n_sm = attn_dist_ctas(cpu, 128, 1 << 20)
+    assert n_sm > 0  # the default: heads mode, more items than SMs -> one CTA per SM
+    assert attn_dist_ctas(cpu, 64, 1 << 20) == 0  # tokens mode: one CTA per item
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", "0")
     assert attn_dist_ctas(cpu, 128, 1 << 20) == 0
-    for env, want in (("0", 0), ("7", 7), (" 132 ", 132), ("", 0)):
+    for env, want in (("0", 0), ("7", 7), (" 132 ", 132)):
         monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", env)
         assert attn_dist_ctas(cpu, 64, 1 << 20) == want
     for bad in ("many", "-2", "1.5"):
@@ -216,6 +221,18 @@ def test_attn_dist_ctas_env(monkeypatch):
     assert attn_dist_ctas(cpu, 256, n_sm // 2 + 1) == n_sm  # two head groups per token
     assert attn_dist_ctas(cpu, 128, n_sm) == 0  # no more items than SMs: one CTA per item
     assert attn_dist_ctas(cpu, 64, 1 << 20) == 0 and attn_dist_ctas(cpu, 192, 1 << 20) == 0  # tokens mode
+
+    from mla_kernels.sm90 import attn_dist_q_vec
+
+    monkeypatch.delenv("MLA_KERNELS_ATTN_DIST_QVEC", raising=False)
+    assert attn_dist_q_vec() is True
+    for env, want in (("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", env)
+        assert attn_dist_q_vec() is want
+    for bad in ("yes", "2"):
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", bad)
+        with pytest.raises(ValueError, match="MLA_KERNELS_ATTN_DIST_QVEC"):
+            attn_dist_q_vec()
 
 
 def test_attn_dist_profile_option_is_checked():

@@ -70,7 +70,7 @@ def _attn_dist_with_ctas(case, normalize, ctas, monkeypatch, lse):
 @pytest.mark.parametrize("normalize", [False, True])
 def test_attn_dist_persistent_many_items_per_cta(h_q, normalize, monkeypatch):
     """A persistent grid of a few CTAs (each runs many (token, head group) items with its KV ring
-    and partial-sum ring running on across them, the next item's Q loaded under the last block):
+    and partial-sum ring running on across them, the next item's Q loaded at its start):
     bitwise the one-CTA-per-item grid, and the reference -- with rows of 0, 1, 63, 64, 65 and all
     slots, so that items without blocks and with an odd block count sit between full ones."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
@@ -101,8 +101,9 @@ def test_attn_dist_persistent_many_items_per_cta(h_q, normalize, monkeypatch):
 @pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512), (192, 576)])
 @pytest.mark.parametrize("ctas", [0, 5])
 def test_attn_dist_q_by_vector_loads_is_bitwise_the_same(h_q, d_qk, ctas, monkeypatch):
-    """MLA_KERNELS_ATTN_DIST_QVEC=1 (Q by 16-byte loads and a word transpose in each lane quad)
-    puts the same Q values into the same registers: the output is bitwise the default's."""
+    """Q by 16-byte loads and a word transpose in each lane quad (the default) puts the same Q
+    values into the same registers as 4-byte loads (MLA_KERNELS_ATTN_DIST_QVEC=0, persistent: the
+    next item's Q loaded under the last block): the outputs are bitwise the same."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     case = make_case(77, h_q, d_qk, 900, 256, device="cuda", invalid_frac=0.05, empty_rows=2, topk_length=True)
     _, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)

@@ -59,7 +59,7 @@ class Group:
     sink: bool
     normalize: bool  # attn_dist's fused (or host-side) normalisation
     # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA),
-    # attn_dist_qvec (the same with Q by 16-byte loads and quad shuffles), bwd, bwd_asum, bwd_det,
+    # attn_dist_qscalar (the same with Q by 4-byte loads), bwd, bwd_asum, bwd_det,
     # bwd_det_asum, bwd_dlse
     ops: Tuple[str, ...]
 
@@ -68,9 +68,9 @@ class Group:
 #: head blocks: no backward cluster pair), topk_length and attn_sink on and off, attn_sum scaled
 #: (sink) and unscaled, deterministic with the segment-sum reduction, dlse.
 GROUPS = (
-    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qvec", "bwd",
+    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qscalar", "bwd",
                                             "bwd_asum", "bwd_det", "bwd_dlse")),
-    Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qvec", "bwd",
+    Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qscalar", "bwd",
                                              "bwd_asum", "bwd_det_asum")),
     Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det", "bwd_dlse")),
     Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "bwd_asum", "bwd_det")),
@@ -208,7 +208,7 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
         step("attn_dist", lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
              lambda r: [("attn_sum", r, want_asum, 1e-3)])
     for op, knobs in (("attn_dist_persist", {"MLA_KERNELS_ATTN_DIST_CTAS": "3"}),
-                      ("attn_dist_qvec", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QVEC": "1"})):
+                      ("attn_dist_qscalar", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QVEC": "0"})):
         if op in g.ops:
             os.environ.update(knobs)
             try:

@@ -42,17 +42,16 @@ def attn_dist_mode(h_q: int) -> str:
 
 def attn_dist_ctas(device, h_q: int = 128, s_q: int = 1 << 30) -> int:
     """The attention distribution's grid: ``N`` > 0 -- persistent, at most N CTAs each running
-    several (token, head group) items; 0 -- one CTA per item (the default).
+    several (token, head group) items; 0 -- one CTA per item.
 
-    ``MLA_KERNELS_ATTN_DIST_CTAS`` chooses: unset or ``0`` -- one CTA per item; ``auto`` --
-    persistent with one CTA per SM (a CTA fills an SM's shared memory) in ``heads`` mode when there
-    are more items than SMs, else one CTA per item (``tokens`` mode measured no faster persistent);
-    ``N`` -- at most N CTAs in every mode (tests use a few, so that every CTA runs many items).
-    The persistent grid is opt-in until its final form has run on a GPU (docs/PERF.md)."""
+    ``MLA_KERNELS_ATTN_DIST_CTAS`` chooses: unset or ``auto`` (the default) -- persistent with one
+    CTA per SM (a CTA fills an SM's shared memory) in ``heads`` mode when there are more items than
+    SMs, else one CTA per item (``tokens`` mode measured slower persistent); ``0`` -- one CTA per
+    item always; ``N`` -- at most N CTAs in every mode (tests use a few, so that every CTA runs many
+    items).  Measured on an H200 (docs/PERF.md): persistent +5-6% at h_q 128, -1.5..-2.6% in
+    ``tokens`` mode."""
     env = os.environ.get("MLA_KERNELS_ATTN_DIST_CTAS", "").strip()
-    if env == "":
-        return 0
-    if env == "auto":
+    if env in ("", "auto"):
         if attn_dist_mode(h_q) != "heads":
             return 0
         n_sm = _sm_count(device)
@@ -64,6 +63,17 @@ def attn_dist_ctas(device, h_q: int = 128, s_q: int = 1 << 30) -> int:
     if n < 0:
         raise ValueError(f"MLA_KERNELS_ATTN_DIST_CTAS must be 'auto' or an integer >= 0, got {env!r}")
     return n
+
+
+def attn_dist_q_vec() -> bool:
+    """How the attention distribution loads Q into the wgmma's A registers:
+    ``MLA_KERNELS_ATTN_DIST_QVEC`` unset or ``1`` -- by 16-byte loads and a word transpose in each
+    lane quad (the default: +2-3% at h_q 128 persistent, +3-5% in ``tokens`` mode on an H200,
+    docs/PERF.md); ``0`` -- by 4-byte loads.  Bitwise the same results."""
+    env = os.environ.get("MLA_KERNELS_ATTN_DIST_QVEC", "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"MLA_KERNELS_ATTN_DIST_QVEC must be 0 or 1, got {env!r}")
+    return env != "0"
 
 
 _SM_COUNTS: dict = {}
@@ -81,7 +91,7 @@ def _sm_count(device) -> int:
 
 
 def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_90a",
-                      ctas: int = 0, profile: str = "", q_vec: bool = False, **kw):
+                      ctas: int = 0, profile: str = "", q_vec: bool = True, **kw):
     """Compile the sm90 attention distribution for one static configuration (no GPU needed).
 
     ``normalize`` is fused only when one CTA covers all heads of a token (h_q 64 or 128);
@@ -201,8 +211,7 @@ class Sm90Backend(CuteKernelBackend):
         # a timing copy (wrong outputs) for measurements: MLA_KERNELS_ATTN_DIST_PROFILE=noq (persistent
         # grids only) -- a CTA's later items reuse its first item's Q, so the difference is the Q loads
         prof = os.environ.get("MLA_KERNELS_ATTN_DIST_PROFILE", "") if ctas else ""
-        # Q by 16-byte loads and quad shuffles (MLA_KERNELS_ATTN_DIST_QVEC=1; opt-in until measured)
-        qvec = os.environ.get("MLA_KERNELS_ATTN_DIST_QVEC", "0") == "1"
+        qvec = attn_dist_q_vec()
         return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec),
                       lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec))
 

@@ -25,12 +25,16 @@ The DSA indexer's KL target.  Work items are (query token, head group); 384 thre
 For more than one head group per token (h_q > 128) each group writes its own partial row into a
 workspace and the host sums the groups (and normalises).
 
-Persistent grid (``ctas`` > 0; opt-in: ``MLA_KERNELS_ATTN_DIST_CTAS``, see
-``sm90/__init__.attn_dist_ctas``): CTA ``c`` runs items
+Persistent grid (``ctas`` > 0; the default in ``heads`` mode with more items than SMs:
+``MLA_KERNELS_ATTN_DIST_CTAS``, see ``sm90/__init__.attn_dist_ctas``): CTA ``c`` runs items
 ``c, c + grid, ...``; the producer's KV ring and the partial-sum ring run on across items (their
 slots and phases follow the CTA's running block count), so the next item's first blocks are
-gathered while the consumers finish the current one, and each consumer loads the next item's Q
-(and lse terms) right after its last wgmma of the current item, under that block's exponentials.
+gathered while the consumers finish the current one.  Each consumer loads the next item's Q (and
+lse terms) at the item's start (``q_vec``, the default: 16-byte loads feeding quad shuffles) or,
+with 4-byte loads, right after its last wgmma of the current item, under that block's
+exponentials.  The Q load is ~6% of a persistent CTA's time at h_q 128 (a timing copy without it,
+``profile="noq"``, is 6.5% faster); pulling the next Q into L2 a few blocks ahead did not shorten
+it (within 0.8%, docs/PERF.md).
 In ``tokens`` mode a warpgroup takes the blocks whose CTA-wide index has its parity (so that its
 consecutive blocks stay two apart in the ring across items: the parity waits stay unambiguous).
 ``ctas`` = 0: one CTA per item, straight-line (no item loop).  docs/PERF.md has the measurements.
@@ -63,7 +67,7 @@ class AttnDistSm90:
     """Static configuration + host launcher + device kernel of the sm90 attention distribution."""
 
     def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool, ctas: int = 0,
-                 profile: str = "", q_vec: bool = False):
+                 profile: str = "", q_vec: bool = True):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 attn_dist supports d_qk 512 or 576, got {d_qk}")
         if mode not in ("heads", "tokens"):
@@ -86,7 +90,7 @@ class AttnDistSm90:
         self.profile = profile
         #: Q into the wgmma's A registers by 16-byte loads and a 4 x 4 word transpose in each lane
         #: quad (36 loads and 144 shuffles per thread) instead of 144 four-byte loads, each of which
-        #: touches 8 half-used sectors (opt-in until measured)
+        #: touches 8 half-used sectors (the default; measured faster, docs/PERF.md)
         self.q_vec = q_vec
         self.n_k_tiles = d_qk // 64
         self.nb = 3  # KV ring depth
