@@ -208,9 +208,12 @@ class Sm90Backend(CuteKernelBackend):
         arch = _compile.arch_for_device(p.device)
         has_tl = p.topk_length is not None
         ctas = attn_dist_ctas(p.device, p.h_q, p.s_q)
-        # a timing copy (wrong outputs) for measurements: MLA_KERNELS_ATTN_DIST_PROFILE=noq (persistent
-        # grids only) -- a CTA's later items reuse its first item's Q, so the difference is the Q loads
-        prof = os.environ.get("MLA_KERNELS_ATTN_DIST_PROFILE", "") if ctas else ""
+        # timing copies (wrong outputs) for measurements, MLA_KERNELS_ATTN_DIST_PROFILE: noq (persistent
+        # grids only) -- a CTA's later items reuse its first item's Q, so the difference is the Q
+        # loads; gather -- the KV gather alone (the consumers free each block as it lands)
+        prof = os.environ.get("MLA_KERNELS_ATTN_DIST_PROFILE", "")
+        if prof == "noq" and not ctas:
+            prof = ""
         qvec = attn_dist_q_vec()
         return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec),
                       lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec))

@@ -81,12 +81,14 @@ class AttnDistSm90:
         #: persistent grid: at most this many CTAs, each looping over work items (token, head
         #: group) with its KV ring running on across them; 0: one CTA per work item
         self.ctas = ctas
-        if profile not in ("", "noq"):
-            raise ValueError(f"profile must be '' or 'noq', got {profile!r}")
-        if profile and not ctas:
+        if profile not in ("", "noq", "gather"):
+            raise ValueError(f"profile must be '', 'noq' or 'gather', got {profile!r}")
+        if profile == "noq" and not ctas:
             raise ValueError("profile 'noq' needs a persistent grid (ctas > 0)")
         #: timing copies only (wrong outputs): ``"noq"`` -- a persistent CTA loads Q and lse for its
-        #: first item only and reuses them, so the difference to the real kernel is the per-item Q load
+        #: first item only and reuses them, so the difference to the real kernel is the per-item Q
+        #: load; ``"gather"`` -- the consumers free each KV block as soon as it lands (no Q, no
+        #: wgmma, no output): the producer's gather alone, the kernel's floor from the KV bytes
         self.profile = profile
         #: Q into the wgmma's A registers by 16-byte loads and a 4 x 4 word transpose in each lane
         #: quad (36 loads and 144 shuffles per thread) instead of 144 four-byte loads, each of which
@@ -360,6 +362,14 @@ class AttnDistSm90:
                 first = (wg + g0) & 1
         n_mine = (num_blocks - first + (stride - 1)) // stride
         total = Float32(0.0)
+        if const_expr(self.profile == "gather"):
+            for i in cutlass.range(n_mine, unroll=1):
+                g = g0 + first + i * stride
+                slot = g % self.nb
+                bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
+                bars.wait_ready((g // self.nb) & 1)
+                bars.release()
+            return n_mine, q_item, nlse0, nlse1
         for i in cutlass.range(n_mine, unroll=1):
             b = first + i * stride
             g = g0 + b
