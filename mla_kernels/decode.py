@@ -73,10 +73,19 @@ def choose_splits(b: int, s_q: int, h_q: int, topk: int, num_sms: int) -> Tuple[
     return -(-n_blocks // bps), bps
 
 
+_SM_COUNTS: dict = {}
+
+
 def device_sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_NUM_SMS
+    """The SM count of ``device`` (:data:`DEFAULT_NUM_SMS` off the GPU), looked up once per device:
+    the property query costs host time on every call's path."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNTS.get(key)
+    if n is None:
+        n = _SM_COUNTS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 @dataclass(eq=False)

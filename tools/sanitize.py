@@ -41,6 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+from unittest import mock
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -210,13 +211,9 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
     for op, knobs in (("attn_dist_persist", {"MLA_KERNELS_ATTN_DIST_CTAS": "3"}),
                       ("attn_dist_qscalar", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QVEC": "0"})):
         if op in g.ops:
-            os.environ.update(knobs)
-            try:
+            with mock.patch.dict(os.environ, knobs):  # restores the caller's values after the step
                 step(op, lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
                      lambda r: [("attn_sum", r, want_asum, 1e-3)])
-            finally:
-                for k in knobs:
-                    del os.environ[k]
 
     bwd_ref = {}
 

@@ -54,7 +54,9 @@ def attn_dist_ctas(device, h_q: int = 128, s_q: int = 1 << 30) -> int:
     if env in ("", "auto"):
         if attn_dist_mode(h_q) != "heads":
             return 0
-        n_sm = _sm_count(device)
+        from ..decode import device_sm_count
+
+        n_sm = device_sm_count(device)
         return n_sm if s_q * (h_q // 128) > n_sm else 0
     try:
         n = int(env)
@@ -74,20 +76,6 @@ def attn_dist_q_vec() -> bool:
     if env not in ("", "0", "1"):
         raise ValueError(f"MLA_KERNELS_ATTN_DIST_QVEC must be 0 or 1, got {env!r}")
     return env != "0"
-
-
-_SM_COUNTS: dict = {}
-
-
-def _sm_count(device) -> int:
-    """The SM count of ``device`` (looked up once per device: the lookup costs host time)."""
-    key = (device.type, device.index)
-    n = _SM_COUNTS.get(key)
-    if n is None:
-        from ..decode import device_sm_count
-
-        n = _SM_COUNTS[key] = device_sm_count(device)
-    return n
 
 
 def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_90a",

@@ -287,8 +287,8 @@ class AttnDistSm90:
         row1 = dev.fragment_row(idx_in_wg, 1)
 
         # Q (64 heads x d_qk) straight from global into the RS A-operand registers, with its two
-        # lse terms; in a persistent CTA the next item's are loaded right after the last wgmma of
-        # the current one (under that block's exponentials and partial sums).
+        # lse terms: at the item's start (with 4-byte loads, a persistent CTA loads the next item's
+        # right after the last wgmma of the current one, under that block's exponentials).
         tSrQ = thr.make_fragment_A(thr.partition_shape_A((B_H, self.d_qk)))
         acc_s = thr.make_fragment_C(thr.partition_shape_C((B_H, B_TOPK)))
         colsum = cute.make_rmem_tensor((16,), Float32)
