@@ -28,7 +28,8 @@ def sm90_report():
 
     return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads",
                                       "sm90_attn_dist_d576_h128_heads_persist",
-                                      "sm90_attn_dist_d576_h128_heads_persist_qscalar", "sm90_bwd_d576_h128",
+                                      "sm90_attn_dist_d576_h128_heads_persist_qscalar",
+                                      "sm90_attn_dist_d576_h128_heads_persist_qring", "sm90_bwd_d576_h128",
                                       "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64", "probe"})
 
 
@@ -57,10 +58,12 @@ def test_sm90_forward_compiles_with_hgmma_and_no_spills(sm90_report):
 
 
 @pytest.mark.parametrize("name", ["sm90_attn_dist_d576_h128_heads", "sm90_attn_dist_d576_h128_heads_persist",
-                                  "sm90_attn_dist_d576_h128_heads_persist_qscalar"])
+                                  "sm90_attn_dist_d576_h128_heads_persist_qscalar",
+                                  "sm90_attn_dist_d576_h128_heads_persist_qring"])
 def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report, name):
     # _persist: the persistent grid (several items per CTA, the default at h_q 128 with more items
-    # than SMs); _qscalar: Q by 4-byte loads (MLA_KERNELS_ATTN_DIST_QVEC=0)
+    # than SMs); _qscalar: Q by 4-byte loads (MLA_KERNELS_ATTN_DIST_QVEC=0); _qring: Q through the
+    # KV ring (MLA_KERNELS_ATTN_DIST_QRING=1)
     r = sm90_report[name]
     assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
     if r["sass"] is None:

@@ -98,6 +98,31 @@ def test_attn_dist_persistent_many_items_per_cta(h_q, normalize, monkeypatch):
 
 
 
+@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (128, 512), (256, 576)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_attn_dist_q_through_the_ring_is_bitwise_the_same(h_q, d_qk, normalize, monkeypatch):
+    """MLA_KERNELS_ATTN_DIST_QRING=1 (persistent heads mode: each item's Q gathered into the KV ring
+    ahead of its KV blocks, ldmatrix into the A registers) puts the same Q values into the same
+    registers: bitwise the default persistent grid's result, for grids of 1, 3 and 132 CTAs, with
+    rows of 0, 1, 63-65 and all slots (items without blocks between full ones)."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, topk = 157, 384
+    case = make_case(s_q, h_q, d_qk, 1500, topk, device="cuda", invalid_frac=0.05)
+    lengths = torch.tensor([0, 1, 63, 64, 65, topk, 0, 0, 200, topk], dtype=torch.int32)
+    case.topk_length = lengths.repeat(s_q // len(lengths) + 1)[:s_q].to("cuda")
+    _, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)
+    want = ref.attn_dist_ref(case.q.float(), case.kv.float(), case.indices, lse, case.sm_scale,
+                             case.topk_length, normalize)
+    for ctas in (1, 3, 132):
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QRING", "0")
+        base = _attn_dist_with_ctas(case, normalize, ctas, monkeypatch, lse)
+        monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QRING", "1")
+        got = _attn_dist_with_ctas(case, normalize, ctas, monkeypatch, lse)
+        assert not torch.isnan(got).any()
+        assert rel_l2(got, want) <= 1e-3, f"ctas={ctas}: rel L2 {rel_l2(got, want):.3g}"
+        assert torch.equal(got, base), f"ctas={ctas}: Q through the ring differs from Q from global memory"
+
+
 @pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512), (192, 576)])
 @pytest.mark.parametrize("ctas", [0, 5])
 def test_attn_dist_q_by_vector_loads_is_bitwise_the_same(h_q, d_qk, ctas, monkeypatch):

@@ -8,7 +8,7 @@ Kernel names say the static configuration: ``<arch>_<op>_d<d_qk>_h<h_q>`` then `
 ``_sink``, ``_asum`` (attn_sum fused in the backward), ``_det`` (deterministic), ``_dlse``,
 ``_norm`` (normalised attn_dist), ``_heads``/``_tokens`` (the sm90 attn_dist mode), ``_persist`` (its
 persistent grid, compiled for 132 SMs), ``_qscalar`` (Q by 4-byte loads instead of the default
-16-byte loads and quad shuffles).
+16-byte loads and quad shuffles), ``_qring`` (Q through the KV ring, ldmatrix into registers).
 
 Per kernel: ``name``, ``arch``, ``registers``, ``spill_bytes`` (stores + loads), ``stack_bytes``,
 ``smem_bytes`` (dynamic smem of the launch), ``sass`` (instruction counts by full opcode, the
@@ -65,6 +65,8 @@ def kernels_for(arch):
              lambda a, **kw: compile_attn_dist(576, 128, False, False, a, ctas=132, **kw)),
             ("sm90_attn_dist_d576_h128_heads_persist_qscalar",
              lambda a, **kw: compile_attn_dist(576, 128, False, False, a, ctas=132, q_vec=False, **kw)),
+            ("sm90_attn_dist_d576_h128_heads_persist_qring",
+             lambda a, **kw: compile_attn_dist(576, 128, False, False, a, ctas=132, q_ring=True, **kw)),
             ("sm90_attn_dist_d576_h64_tokens_norm", lambda a, **kw: compile_attn_dist(576, 64, True, True, a, **kw)),
             ("sm90_attn_dist_d512_h128_heads", lambda a, **kw: compile_attn_dist(512, 128, False, False, a, **kw)),
             ("sm90_bwd_d576_h128", lambda a, **kw: compile_bwd(576, 128, False, arch=a, **kw)),

@@ -79,14 +79,14 @@ def attn_dist_q_vec() -> bool:
 
 
 def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_90a",
-                      ctas: int = 0, profile: str = "", q_vec: bool = True, **kw):
+                      ctas: int = 0, profile: str = "", q_vec: bool = True, q_ring: bool = False, **kw):
     """Compile the sm90 attention distribution for one static configuration (no GPU needed).
 
     ``normalize`` is fused only when one CTA covers all heads of a token (h_q 64 or 128);
     ``ctas`` > 0 makes the grid persistent with at most that many CTAs (see ``attn_dist.py``)."""
     from .attn_dist import AttnDistSm90
 
-    kernel = AttnDistSm90(d_qk, attn_dist_mode(h_q), normalize, has_topk_length, ctas, profile, q_vec)
+    kernel = AttnDistSm90(d_qk, attn_dist_mode(h_q), normalize, has_topk_length, ctas, profile, q_vec, q_ring)
     return kernel, _compile.compile_kernel(kernel, *attn_dist_fake_args(d_qk, h_q, 64), arch=arch, **kw)
 
 
@@ -203,8 +203,13 @@ class Sm90Backend(CuteKernelBackend):
         if prof == "noq" and not ctas:
             prof = ""
         qvec = attn_dist_q_vec()
-        return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec),
-                      lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec))
+        # Q through the KV ring (MLA_KERNELS_ATTN_DIST_QRING=1; persistent heads mode only; an
+        # experiment until measured on a GPU)
+        qring = (os.environ.get("MLA_KERNELS_ATTN_DIST_QRING", "0") == "1" and ctas > 0 and not prof
+                 and attn_dist_mode(p.h_q) == "heads")
+        return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec, qring),
+                      lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec,
+                                                qring))
 
 
     # -- the indexer (host side in indexer_host.py) ---------------------------------------------

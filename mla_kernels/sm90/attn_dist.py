@@ -46,11 +46,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
 from ..common import device as dev
-from ..common.gather import KvGather
+from ..common.gather import KvGather, copy_dense_rows
 
 B_H = 64
 B_TOPK = 64
@@ -67,7 +67,7 @@ class AttnDistSm90:
     """Static configuration + host launcher + device kernel of the sm90 attention distribution."""
 
     def __init__(self, d_qk: int, mode: str, normalize: bool, has_topk_length: bool, ctas: int = 0,
-                 profile: str = "", q_vec: bool = True):
+                 profile: str = "", q_vec: bool = True, q_ring: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 attn_dist supports d_qk 512 or 576, got {d_qk}")
         if mode not in ("heads", "tokens"):
@@ -94,6 +94,13 @@ class AttnDistSm90:
         #: quad (36 loads and 144 shuffles per thread) instead of 144 four-byte loads, each of which
         #: touches 8 half-used sectors (the default; measured faster, docs/PERF.md)
         self.q_vec = q_vec
+        if q_ring and not (ctas > 0 and mode == "heads" and profile == ""):
+            raise ValueError("q_ring takes a persistent grid in heads mode (ctas > 0, no profile)")
+        #: persistent heads mode: the producer gathers each item's Q (two 64-head blocks, one per
+        #: consumer warpgroup) through the KV ring ahead of the item's KV blocks, and the consumers
+        #: load their A registers from shared memory (ldmatrix) instead of from global memory at
+        #: the item's start (the ~4 us per item of the ``noq`` measurement, docs/PERF.md)
+        self.q_ring = q_ring
         self.n_k_tiles = d_qk // 64
         self.nb = 3  # KV ring depth
         self.heads_per_cta = 2 * B_H if mode == "heads" else B_H
@@ -206,7 +213,11 @@ class AttnDistSm90:
             warp_in_wg = warp_idx % 4
             if const_expr(self.ctas > 0):
                 g0 = Int32(0)  # blocks gathered for this CTA's earlier items (the ring runs on)
+                q_policy = dev.createpolicy_evict_first()  # Q rows are read once
                 for item in cutlass.range(bidx, n_items, n_ctas, unroll=1):
+                    if const_expr(self.q_ring):
+                        g0 = g0 + self._produce_q(mQ, sValid, mbar, buf0_addr, buf_elems, item // n_groups,
+                                                  item % n_groups, g0, idx_in_wg, warp_in_wg, q_policy)
                     g0 = g0 + self._produce_item(mIdx, mKV, mTopkLen, sValid, mbar, buf0_addr, buf_elems,
                                                  item // n_groups, g0, idx_in_wg, warp_in_wg)
             else:
@@ -244,6 +255,31 @@ class AttnDistSm90:
                     sValid[2 * slot + warp_in_wg] = bits
                     cute.arch.mbarrier_arrive(bars.ready)
         return num_blocks
+
+    @cute.jit
+    def _produce_q(self, mQ: cute.Tensor, sValid: cute.Tensor, mbar: cute.Pointer, buf0_addr: Int32,
+                   buf_elems: cutlass.Constexpr, s_idx: Int32, grp: Int32, g0, idx_in_wg: Int32, warp_in_wg: Int32,
+                   policy: Int64) -> Int32:
+        """``q_ring``: item (``s_idx``, ``grp``)'s Q into the ring as the CTA's blocks ``g0`` (heads
+        0..63 of the group: WG0's) and ``g0 + 1`` (64..127: WG1's), in the KV blocks' tile layout;
+        returns 2.  The validity words are written (never read) so that ``ready`` gets its two
+        mask-writer arrivals as for a KV block."""
+        row_bytes = self.d_qk * 2
+        for w in cutlass.range_constexpr(2):
+            g = g0 + w
+            slot = g % self.nb
+            bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
+            head0 = Int64(s_idx) * mQ.shape[1] + grp * self.heads_per_cta + w * B_H
+            src = dev.gmem_addr_i64(mQ.iterator) + head0 * row_bytes
+            bars.wait_free((g // self.nb) & 1)
+            copy_dense_rows(buf0_addr + slot * (buf_elems * 2), src, row_bytes, B_H, self.n_k_tiles, idx_in_wg,
+                            policy)
+            bars.commit_cp_async()
+            if warp_in_wg < 2:
+                if idx_in_wg % 32 == 0:
+                    sValid[2 * slot + warp_in_wg] = Uint32(0xFFFFFFFF)
+                    cute.arch.mbarrier_arrive(bars.ready)
+        return Int32(2)
 
     @cute.jit
     def _topk_len(self, mIdx: cute.Tensor, mTopkLen: cute.Tensor, s_idx: Int32) -> Int32:
@@ -304,12 +340,18 @@ class AttnDistSm90:
             for item in cutlass.range(first_item, n_items, n_ctas, unroll=1):
                 i_grp = item % n_groups
                 i_tok = item // n_groups
-                need_q = q_item != item
-                if const_expr(self.profile == "noq"):
-                    need_q = q_item < 0  # the first item only: every later one runs on its Q (timing copy)
-                if need_q:
-                    nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, i_tok, i_grp, head_off, row0, row1)
+                if const_expr(self.q_ring):
+                    nlse0, nlse1 = self._q_from_ring(thr, mLse, tSrQ, sK_layout, sK_base, mbar, g0, i_tok, i_grp,
+                                                     wg, idx_in_wg, head_off, row0, row1)
                     q_item = item
+                    g0 = g0 + 2
+                else:
+                    need_q = q_item != item
+                    if const_expr(self.profile == "noq"):
+                        need_q = q_item < 0  # the first item only: every later one runs on its Q (timing copy)
+                    if need_q:
+                        nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, i_tok, i_grp, head_off, row0, row1)
+                        q_item = item
                 i_blocks = (self._topk_len(mIdx, mTopkLen, i_tok) + (B_TOPK - 1)) // B_TOPK
                 n_mine, q_item, nlse0, nlse1 = self._consume_item(
                     *args, item, i_grp, i_tok, i_blocks, g0, r0, n_done, q_item, nlse0, nlse1)
@@ -397,7 +439,7 @@ class AttnDistSm90:
             bars.release()
             # (q_vec: the loads feed shuffles right away -- no latency to hide, and the early copy
             # spills: the next item's Q is loaded at its start instead)
-            if const_expr(persistent and self.profile != "noq" and not self.q_vec):
+            if const_expr(persistent and self.profile != "noq" and not self.q_vec and not self.q_ring):
                 if (i == n_mine - 1) & (nxt < n_items):
                     # the registers of Q are free: the next item's Q loads fly under this block's math
                     nlse0, nlse1 = self._load_q(thr, mQ, mLse, tSrQ, nxt // n_groups, nxt % n_groups, head_off,
@@ -470,6 +512,32 @@ class AttnDistSm90:
                 j = me + t * 256
                 mOut[grp, s_idx, j] = mOut[grp, s_idx, j] * inv
         return n_mine, q_item, nlse0, nlse1
+
+    @cute.jit
+    def _q_from_ring(self, thr, mLse: cute.Tensor, tSrQ: cute.Tensor, sK_layout: cute.ComposedLayout,
+                     sK_base: cute.Pointer, mbar: cute.Pointer, g0, s_idx: Int32, grp: Int32, wg: Int32,
+                     idx_in_wg: Int32, head_off: int, row0: Int32, row1: Int32):
+        """``q_ring``: this warpgroup's Q from ring block ``g0 + wg`` into the A registers (ldmatrix),
+        then both Q blocks freed; returns the ``-lse log2(e)`` terms.  Each warpgroup waits for
+        *both* blocks before it frees them: a free arrival must not land in the slot's previous
+        phase (the other warpgroup may still be reading the previous item's block there)."""
+        for w in cutlass.range_constexpr(2):
+            g = g0 + w
+            slot = g % self.nb
+            dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1).wait_ready((g // self.nb) & 1)
+        mine = (g0 + wg) % self.nb
+        sQ = cute.make_tensor(
+            cute.recast_ptr((sK_base + mine * cute.cosize(sK_layout)).align(1024), sK_layout.inner),
+            sK_layout.outer,
+        )
+        ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
+        thr_ld = cute.make_tiled_copy_A(ld_atom, self._mma()).get_slice(idx_in_wg)
+        cute.copy(thr_ld, thr_ld.partition_S(sQ), thr_ld.retile(tSrQ))
+        for w in cutlass.range_constexpr(2):
+            slot = (g0 + w) % self.nb
+            dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1).release()
+        head0 = grp * self.heads_per_cta + head_off
+        return -mLse[s_idx, head0 + row0] * dev.LOG2E, -mLse[s_idx, head0 + row1] * dev.LOG2E
 
     @cute.jit
     def _load_q(self, thr, mQ: cute.Tensor, mLse: cute.Tensor, tSrQ: cute.Tensor, s_idx: Int32, grp: Int32,
