@@ -63,7 +63,7 @@ def test_sm90_forward_compiles_with_hgmma_and_no_spills(sm90_report):
 def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report, name):
     # _persist: the persistent grid (several items per CTA, the default at h_q 128 with more items
     # than SMs); _qscalar: Q by 4-byte loads (MLA_KERNELS_ATTN_DIST_QVEC=0); _qring: Q through the
-    # KV ring (MLA_KERNELS_ATTN_DIST_QRING=1)
+    # KV ring (MLA_KERNELS_ATTN_DIST_QRING, the default of the persistent grid)
     r = sm90_report[name]
     assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
     if r["sass"] is None:

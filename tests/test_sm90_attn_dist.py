@@ -101,9 +101,9 @@ def test_attn_dist_persistent_many_items_per_cta(h_q, normalize, monkeypatch):
 @pytest.mark.parametrize("h_q,d_qk", [(128, 576), (128, 512), (256, 576)])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_attn_dist_q_through_the_ring_is_bitwise_the_same(h_q, d_qk, normalize, monkeypatch):
-    """MLA_KERNELS_ATTN_DIST_QRING=1 (persistent heads mode: each item's Q gathered into the KV ring
-    ahead of its KV blocks, ldmatrix into the A registers) puts the same Q values into the same
-    registers: bitwise the default persistent grid's result, for grids of 1, 3 and 132 CTAs, with
+    """MLA_KERNELS_ATTN_DIST_QRING=1 (the default; persistent heads mode: each item's Q gathered into
+    the KV ring ahead of its KV blocks, ldmatrix into the A registers) puts the same Q values into the
+    same registers: bitwise the result of Q from global memory (MLA_KERNELS_ATTN_DIST_QRING=0), for grids of 1, 3 and 132 CTAs, with
     rows of 0, 1, 63-65 and all slots (items without blocks between full ones)."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     s_q, topk = 157, 384
@@ -133,6 +133,7 @@ def test_attn_dist_q_by_vector_loads_is_bitwise_the_same(h_q, d_qk, ctas, monkey
     case = make_case(77, h_q, d_qk, 900, 256, device="cuda", invalid_frac=0.05, empty_rows=2, topk_length=True)
     _, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)
     monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", str(ctas))
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QRING", "0")  # Q from global memory in every grid
     monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "0")
     base = mk.attn_dist(case.q, case.kv, case.indices, lse, case.sm_scale, case.topk_length)
     monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "1")
@@ -144,8 +145,9 @@ def test_attn_dist_q_by_vector_loads_is_bitwise_the_same(h_q, d_qk, ctas, monkey
 
 
 def test_attn_dist_q_by_vector_loads_past_2g_offsets(monkeypatch):
-    """The 16-byte Q loads address rows past 2^31 bytes of q (64-bit offsets): s_q 16,400 at h_q
-    128, d_qk 576 is 2.4 GB of q; bitwise the 4-byte loads' result (persistent and not)."""
+    """The 16-byte Q loads and Q through the KV ring address rows past 2^31 bytes of q (64-bit
+    offsets): s_q 16,400 at h_q 128, d_qk 576 is 2.4 GB of q; bitwise the 4-byte loads' result
+    (persistent and not), and the persistent grid's Q through the ring bitwise the same."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     s_q, h_q, d_qk, s_kv, topk = 16400, 128, 576, 256, 64
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -154,6 +156,7 @@ def test_attn_dist_q_by_vector_loads_past_2g_offsets(monkeypatch):
     idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32, generator=g)
     lse = torch.randn(s_q, h_q, device="cuda", generator=g) + 8.0
     scale = d_qk ** -0.5
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QRING", "0")
     for ctas in ("0", "auto"):
         monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", ctas)
         monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QVEC", "0")
@@ -163,3 +166,7 @@ def test_attn_dist_q_by_vector_loads_past_2g_offsets(monkeypatch):
         torch.cuda.synchronize()
         assert torch.isfinite(base).all() and base[-1].abs().sum() > 0
         assert torch.equal(got, base), f"ctas={ctas}: Q by vector loads differs past 2^31 bytes"
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QRING", "1")  # "auto" is persistent here: 16,400 items
+    got = mk.attn_dist(q, kv, idx, lse, scale)
+    torch.cuda.synchronize()
+    assert torch.equal(got, base), "Q through the ring differs past 2^31 bytes"

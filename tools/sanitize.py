@@ -60,8 +60,9 @@ class Group:
     sink: bool
     normalize: bool  # attn_dist's fused (or host-side) normalisation
     # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA),
-    # attn_dist_qscalar (the same with Q by 4-byte loads), attn_dist_qring (the same with Q through
-    # the KV ring: heads mode only), bwd, bwd_asum, bwd_det,
+    # attn_dist_qscalar (the same with Q by 4-byte loads from global memory), attn_dist_qglobal (the
+    # same with Q by 16-byte loads from global memory instead of through the KV ring, the heads
+    # mode's default), bwd, bwd_asum, bwd_det,
     # bwd_det_asum, bwd_dlse
     ops: Tuple[str, ...]
 
@@ -71,12 +72,12 @@ class Group:
 #: (sink) and unscaled, deterministic with the segment-sum reduction, dlse.
 GROUPS = (
     Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qscalar",
-                                            "attn_dist_qring", "bwd",
+                                            "attn_dist_qglobal", "bwd",
                                             "bwd_asum", "bwd_det", "bwd_dlse")),
     Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qscalar", "bwd",
                                              "bwd_asum", "bwd_det_asum")),
     Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det", "bwd_dlse")),
-    Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "attn_dist_qring", "bwd_asum", "bwd_det")),
+    Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "attn_dist_qglobal", "bwd_asum", "bwd_det")),
     Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
     # the decode path (paged cache, block table, q_bias, split-top-k + lse combine, one-split
     # direct bf16 output, heads on the MMA's N side for h_q <= 32, the combine fused into the split
@@ -211,8 +212,9 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
         step("attn_dist", lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),
              lambda r: [("attn_sum", r, want_asum, 1e-3)])
     for op, knobs in (("attn_dist_persist", {"MLA_KERNELS_ATTN_DIST_CTAS": "3"}),
-                      ("attn_dist_qscalar", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QVEC": "0"}),
-                      ("attn_dist_qring", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QRING": "1"})):
+                      ("attn_dist_qscalar", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QVEC": "0",
+                                             "MLA_KERNELS_ATTN_DIST_QRING": "0"}),
+                      ("attn_dist_qglobal", {"MLA_KERNELS_ATTN_DIST_CTAS": "3", "MLA_KERNELS_ATTN_DIST_QRING": "0"})):
         if op in g.ops:
             with mock.patch.dict(os.environ, knobs):  # restores the caller's values after the step
                 step(op, lambda: mk.attn_dist(qd, kvd, idxd, lse_d, sm_scale, tld, g.normalize),

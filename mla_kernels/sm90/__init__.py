@@ -78,6 +78,18 @@ def attn_dist_q_vec() -> bool:
     return env != "0"
 
 
+def attn_dist_q_ring() -> bool:
+    """Where the attention distribution's persistent ``heads``-mode grid takes each item's Q from:
+    ``MLA_KERNELS_ATTN_DIST_QRING`` unset or ``1`` -- the producer gathers it into the KV ring ahead
+    of the item's KV blocks and the consumers load it from shared memory (the default: 1.012-1.024x
+    at h_q 128 on an H200, docs/PERF.md); ``0`` -- the consumers load it from global memory at the
+    item's start.  Bitwise the same results; other grids and modes always take the global path."""
+    env = os.environ.get("MLA_KERNELS_ATTN_DIST_QRING", "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"MLA_KERNELS_ATTN_DIST_QRING must be 0 or 1, got {env!r}")
+    return env != "0"
+
+
 def compile_attn_dist(d_qk: int, h_q: int, normalize: bool, has_topk_length: bool, arch: str = "sm_90a",
                       ctas: int = 0, profile: str = "", q_vec: bool = True, q_ring: bool = False, **kw):
     """Compile the sm90 attention distribution for one static configuration (no GPU needed).
@@ -203,10 +215,8 @@ class Sm90Backend(CuteKernelBackend):
         if prof == "noq" and not ctas:
             prof = ""
         qvec = attn_dist_q_vec()
-        # Q through the KV ring (MLA_KERNELS_ATTN_DIST_QRING=1; persistent heads mode only; an
-        # experiment until measured on a GPU)
-        qring = (os.environ.get("MLA_KERNELS_ATTN_DIST_QRING", "0") == "1" and ctas > 0 and not prof
-                 and attn_dist_mode(p.h_q) == "heads")
+        # Q through the KV ring (persistent heads mode only)
+        qring = attn_dist_q_ring() and ctas > 0 and not prof and attn_dist_mode(p.h_q) == "heads"
         return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec, qring),
                       lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec,
                                                 qring))
