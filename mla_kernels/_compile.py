@@ -120,10 +120,24 @@ def arch_for_capability(major: int, minor: int) -> str:
     raise ValueError(f"no CuTe DSL kernels for compute capability {major}.{minor}")
 
 
-def arch_for_device(device) -> str:
+_CAPABILITIES: dict = {}
+
+
+def device_capability(device) -> tuple:
+    """``(major, minor)`` of CUDA ``device``, queried once per device: the query costs host time
+    (microseconds) on every call's path, and a device's capability does not change in a process."""
     import torch
 
-    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    device = torch.device(device)
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITIES.get(key)
+    if cap is None:
+        cap = _CAPABILITIES[key] = tuple(torch.cuda.get_device_capability(key))
+    return cap
+
+
+def arch_for_device(device) -> str:
+    major, minor = device_capability(device)
     return arch_for_capability(major, minor)
 
 

@@ -56,12 +56,17 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+_FAKE_TENSOR = []
+
+
 def _no_data(t: torch.Tensor) -> bool:
     """True for a tensor without storage to look at: a fake tensor (a custom op's
     ``register_fake``, ``torch.library.opcheck``) or any tensor while tracing."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    if not _FAKE_TENSOR:
+        from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor) or tracing()
+        _FAKE_TENSOR.append(FakeTensor)
+    return isinstance(t, _FAKE_TENSOR[0]) or tracing()
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -296,14 +301,15 @@ def _fwd_through_decode(p: Problem):
     otherwise."""
     if p.device.type != "cuda" or not p.sm_scale > 0:
         return None
-    proto = DecodePlan(p.s_q, 1, p.h_q, p.topk, p.d_qk, p.d_v, p.device, p.dtype, 1, 1, with_max_logits=True)
-    if p.h_q not in NARROW_HEADS and p.h_q % 64:
-        return None
-    backend = dispatch.serving_kernel("decode", proto)
-    if backend is None:
+    narrow = p.h_q in NARROW_HEADS
+    if not narrow and p.h_q % 64:
         return None
     n, bps = choose_splits(p.s_q, 1, p.h_q, p.topk, device_sm_count(p.device))
-    if n == 1 and p.h_q not in NARROW_HEADS:
+    if n == 1 and not narrow:  # (decided before the plan and the dispatch: the prefill's common case)
+        return None
+    proto = DecodePlan(p.s_q, 1, p.h_q, p.topk, p.d_qk, p.d_v, p.device, p.dtype, 1, 1, with_max_logits=True)
+    backend = dispatch.serving_kernel("decode", proto)
+    if backend is None:
         return None
     proto.num_splits, proto.blocks_per_split, proto.backend = n, bps, backend
     proto.allocate()

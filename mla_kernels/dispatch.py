@@ -25,6 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
+from . import _compile
 from . import reference as ref
 from .common import first_use
 from .common.backend import OPS, Backend
@@ -183,7 +184,7 @@ def _is_cuda(device: torch.device) -> bool:
 def _arch_of(device: torch.device) -> Optional[str]:
     if not _is_cuda(device):
         return None
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _compile.device_capability(device)
     if (major, minor) == (9, 0):
         return "sm90"
     if major == 10:

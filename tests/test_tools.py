@@ -182,3 +182,24 @@ def test_ab_bench_variant_specs_and_knobs(monkeypatch):
     with ab._Knobs({"AB_KNOB_A": "in", "AB_KNOB_B": "in"}):
         assert os.environ["AB_KNOB_A"] == "in" and os.environ["AB_KNOB_B"] == "in"
     assert os.environ["AB_KNOB_A"] == "before" and "AB_KNOB_B" not in os.environ
+
+
+def test_host_time_cli_on_cpu_and_its_stage_wrappers(capsys, monkeypatch):
+    """The host-time diagnostic: --help works, without a GPU it says so (exit 0, no traceback), and
+    its stage timers wrap the host path's functions and put every one of them back."""
+    mod = load("host_time")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "--breakdown" in capsys.readouterr().out
+    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: False)
+    assert mod.main([]) == 0 and "needs a GPU" in capsys.readouterr().out
+    stages = mod._Stages()
+    before = [(obj, attr, obj.__dict__.get(attr)) for obj, attr in stages.targets]
+    assert sum(f is not None for _, _, f in before) >= 12  # the names still exist in the package
+    from mla_kernels import api
+
+    orig = api.check_inputs
+    with stages:
+        assert api.check_inputs is not orig  # wrapped while inside
+    assert api.check_inputs is orig
+    assert all(obj.__dict__.get(attr) is f for obj, attr, f in before)

@@ -163,6 +163,7 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
 
 
 _PERM_CACHE: dict = {}
+_BITS_CACHE: dict = {}  # perm tuple -> bit_permutation(perm) (pure Python, ~100 generator steps)
 
 
 def bit_permutation(perm) -> Optional[tuple]:
@@ -197,7 +198,10 @@ def natural_columns(ws: torch.Tensor, perm, dtype: Optional[torch.dtype] = None)
         return ws if dtype is None or ws.dtype == dtype else ws.to(dtype)
     n = len(perm)
     rows, d = ws.shape
-    bits = bit_permutation(perm)
+    key = tuple(perm)
+    bits = _BITS_CACHE.get(key, False)
+    if bits is False:
+        bits = _BITS_CACHE[key] = bit_permutation(key)
     if bits is not None:
         k = len(bits)
         out = torch.empty(rows, d, dtype=dtype or ws.dtype, device=ws.device)

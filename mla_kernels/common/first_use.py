@@ -193,7 +193,9 @@ _memory: dict = {}
 def device_identity(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
-    major, minor = torch.cuda.get_device_capability(device)
+    from .. import _compile
+
+    major, minor = _compile.device_capability(device)
     return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
 
 

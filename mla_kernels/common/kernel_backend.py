@@ -146,7 +146,7 @@ class CuteKernelBackend(Backend):
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         if device.type != "cuda":
             return "not a CUDA device"
-        why = self.device_reason(*torch.cuda.get_device_capability(device))
+        why = self.device_reason(*_compile.device_capability(device))
         if why:
             return why
         if not CuteKernelBackend._dsl_checked:

@@ -7,6 +7,7 @@ there); backends read it and never re-validate.  Host-side only (plain torch).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -56,8 +57,8 @@ class Problem:
     def topk(self) -> int:
         return self.indices.shape[1]
 
-    @property
-    def device(self) -> torch.device:
+    @cached_property
+    def device(self) -> torch.device:  # (a tensor's .device builds a new object on every read)
         return self.q.device
 
     @property
@@ -99,8 +100,8 @@ class _IndexerShapes:
     def s_kv(self) -> int:
         return self.k.shape[0]
 
-    @property
-    def device(self) -> torch.device:
+    @cached_property
+    def device(self) -> torch.device:  # (a tensor's .device builds a new object on every read)
         return self.q.device
 
     @property
