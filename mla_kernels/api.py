@@ -37,6 +37,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import dispatch
+from .common import fastpath
 from .common.problem import MergeProblem, Problem
 from .decode import NARROW_HEADS, DecodePlan, choose_splits, device_sm_count
 from .reference import compute_dtype
@@ -221,18 +222,30 @@ def make_problem(
     idx = indices.reshape(s_q, indices.shape[-1])
     if idx.dtype == torch.int64:
         idx = torch.where((idx < 0) | (idx >= s_kv), torch.full_like(idx, -1), idx).to(torch.int32)
-    tl = topk_length.clamp(0, sh.topk).to(torch.int32) if topk_length is not None else None
-    sink = attn_sink.detach().to(compute_dtype(q.dtype)) if attn_sink is not None else None
     return Problem(
         q=_contig(q.detach()),
         kv=_contig(kv.detach().reshape(s_kv, d_qk)),
         indices=_contig(idx),
         sm_scale=sh.sm_scale,
         d_v=sh.d_v,
-        topk_length=_contig(tl) if tl is not None else None,
-        attn_sink=_contig(sink) if sink is not None else None,
+        topk_length=_norm_topk_length(topk_length, sh.topk),
+        attn_sink=_norm_sink(attn_sink, q.dtype),
         kv_shape=kv.shape,
     )
+
+
+def _norm_topk_length(topk_length, topk: int):
+    """``topk_length`` as a Problem holds it: int32, clamped to ``[0, topk]`` (a new tensor)."""
+    if topk_length is None:
+        return None
+    return _contig(topk_length.clamp(0, topk).to(torch.int32))
+
+
+def _norm_sink(attn_sink, dtype: torch.dtype):
+    """``attn_sink`` as a Problem holds it: in the compute dtype of ``dtype``, contiguous."""
+    if attn_sink is None:
+        return None
+    return _contig(attn_sink.detach().to(compute_dtype(dtype)))
 
 
 def _pad_topk(p: Problem, block: int) -> Problem:
@@ -290,15 +303,9 @@ def fwd_problem(p: Problem) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return backend.fwd(_pad_topk(p, backend.topk_block))
 
 
-def _fwd_through_decode(p: Problem):
-    """The forward of few query rows (or of 8..32 heads) on the split-top-k decode kernels.
-
-    The prefill kernel runs one CTA per (row, 64 heads): ``s_q * h_q / 64`` CTAs leave most SMs
-    idle when ``s_q`` is small, and it cannot take ``h_q < 64``.  Each row is then a decode
-    request (``b = s_q``, one query each) split over its top-k (:func:`choose_splits`).  Used
-    when a kernel backend serves the decode for ``p``'s configuration and either the rule
-    gives more than one split or ``h_q`` is one of the narrow head counts.  Returns None
-    otherwise."""
+def _decode_route(p: Problem):
+    """``(backend, num_splits, blocks_per_split)`` when :func:`_fwd_through_decode` runs ``p`` on
+    the split-top-k decode kernels, else None."""
     if p.device.type != "cuda" or not p.sm_scale > 0:
         return None
     narrow = p.h_q in NARROW_HEADS
@@ -311,7 +318,24 @@ def _fwd_through_decode(p: Problem):
     backend = dispatch.serving_kernel("decode", proto)
     if backend is None:
         return None
-    proto.num_splits, proto.blocks_per_split, proto.backend = n, bps, backend
+    return backend, n, bps
+
+
+def _fwd_through_decode(p: Problem):
+    """The forward of few query rows (or of 8..32 heads) on the split-top-k decode kernels.
+
+    The prefill kernel runs one CTA per (row, 64 heads): ``s_q * h_q / 64`` CTAs leave most SMs
+    idle when ``s_q`` is small, and it cannot take ``h_q < 64``.  Each row is then a decode
+    request (``b = s_q``, one query each) split over its top-k (:func:`choose_splits`).  Used
+    when a kernel backend serves the decode for ``p``'s configuration and either the rule
+    gives more than one split or ``h_q`` is one of the narrow head counts.  Returns None
+    otherwise."""
+    route = _decode_route(p)
+    if route is None:
+        return None
+    backend, n, bps = route
+    proto = DecodePlan(p.s_q, 1, p.h_q, p.topk, p.d_qk, p.d_v, p.device, p.dtype, n, bps, with_max_logits=True)
+    proto.backend = backend
     proto.allocate()
     backend.prepare_decode(proto)
     out, lse, ml = backend.decode(
@@ -319,6 +343,84 @@ def _fwd_through_decode(p: Problem):
         p.topk_length, p.attn_sink, None, None,
     )
     return out.view(p.s_q, p.h_q, p.d_v), ml.view(p.s_q, p.h_q), lse.view(p.s_q, p.h_q)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host fast path (common/fastpath.py): a call with the metadata of an earlier one repeats
+# that call's decisions and runs the backend's launcher directly.
+# ---------------------------------------------------------------------------------------------
+_Tensor = torch.Tensor
+
+
+def _plain_sig(t):
+    """``(shape, dtype, device)`` of a plain, contiguous, 16-byte-aligned tensor (which
+    :func:`make_problem` passes on as it is), else None."""
+    if type(t) is not _Tensor or not t.is_contiguous() or t.data_ptr() & 15:
+        return None
+    return t.shape, t.dtype, t.device
+
+
+_NOT_PLAIN = object()
+
+
+def _opt_sig(t):
+    """Metadata of an optional small input that :func:`make_problem` always normalises;
+    ``_NOT_PLAIN`` if it is not a plain tensor (the full path raises for it)."""
+    if t is None:
+        return None
+    if type(t) is not _Tensor:
+        return _NOT_PLAIN
+    return t.shape, t.dtype, t.device
+
+
+def _fast_key(op: str, q, kv, indices, sm_scale, d_v, topk_length, extra):
+    """The fast-path key of a call, or None if the call is not eligible (fastpath.py)."""
+    if type(sm_scale) is not float and type(sm_scale) is not int:
+        return None
+    if d_v is not None and type(d_v) is not int:
+        return None
+    for x in extra:
+        if x is _NOT_PLAIN:  # an optional argument that is not a plain tensor
+            return None
+    sq, skv, sidx = _plain_sig(q), _plain_sig(kv), _plain_sig(indices)
+    if sq is None or skv is None or sidx is None or sidx[1] != torch.int32:
+        return None
+    stl = _opt_sig(topk_length)
+    if stl is _NOT_PLAIN:
+        return None
+    return (op, sq, skv, sidx, stl, sm_scale, d_v) + extra
+
+
+def _fwd_launcher(p: Problem):
+    """What :func:`fwd_problem` runs for ``p``, as a launcher ``(q, kv, indices, topk_length,
+    attn_sink)`` (normalised tensors), or None when it is more than a kernel launch."""
+    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0 or _decode_route(p) is not None:
+        return None
+    backend = dispatch.select("fwd", p)
+    if p.topk % backend.topk_block:
+        return None
+    return backend.fwd_launcher(p)
+
+
+def _bwd_launcher(p: Problem, deterministic: bool, return_attn_sum: bool):
+    """As :func:`_fwd_launcher` for :func:`bwd_problem`: a launcher ``(p, out, dout, lse, dlse)``
+    (a Problem with ``p``'s metadata, normalised tensors), or None."""
+    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
+        return None
+    backend = dispatch.select("bwd", p)
+    if p.topk % backend.topk_block:
+        return None
+    return backend.bwd_launcher(p, deterministic, return_attn_sum)
+
+
+def _attn_dist_launcher(p: Problem, normalize: bool):
+    """As :func:`_fwd_launcher` for :func:`attn_dist_eager`."""
+    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
+        return None
+    backend = dispatch.select("attn_dist", p)
+    if p.topk % backend.topk_block:
+        return None
+    return backend.attn_dist_launcher(p, normalize)
 
 
 def bwd_problem(p: Problem, out, dout, lse, dlse=None, deterministic=False, return_attn_sum=False):
@@ -337,6 +439,12 @@ def bwd_problem(p: Problem, out, dout, lse, dlse=None, deterministic=False, retu
         _pad_topk(p, backend.topk_block), out, dout, lse,
         dlse=dlse, deterministic=deterministic, return_attn_sum=return_attn_sum,
     )
+    return _bwd_results(p, res, return_attn_sum)
+
+
+def _bwd_results(p: Problem, res, return_attn_sum: bool):
+    """A backend's backward results as the API returns them: dkv in kv's shape, attn_sum with the
+    caller's topk."""
     dq, dkv, dsink = res[:3]
     res = (dq, dkv.reshape(p.kv_shape), dsink) + tuple(res[3:])
     if return_attn_sum:
@@ -381,8 +489,33 @@ def sparse_mla_fwd(
 
 def sparse_mla_fwd_eager(q, kv, indices, sm_scale, d_v=512, topk_length=None, attn_sink=None):
     """:func:`sparse_mla_fwd`'s body (the ``mla_kernels::sparse_mla_fwd`` op's implementation)."""
-    p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
-    return fwd_problem(p)
+    return fwd_with_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, False)[1]
+
+
+def fwd_with_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, want_problem: bool):
+    """``(p or None, (out, max_logits, lse))``: the validated problem (with ``want_problem``; the
+    autograd op keeps it for the backward) and the forward -- through the host fast path
+    (``common/fastpath.py``) when the call has the metadata of an earlier one that a kernel
+    launch served."""
+    key = None
+    if fastpath.enabled():
+        key = _fast_key("fwd", q, kv, indices, sm_scale, d_v, topk_length, (_opt_sig(attn_sink),))
+        if key is not None:
+            launch = fastpath.lookup(key)
+            if launch is not None:
+                s_q, topk, d_qk = q.shape[0], indices.shape[-1], q.shape[2]
+                qd, kvd, idx = q.detach(), kv.detach().view(kv.shape[0], d_qk), indices.view(s_q, topk)
+                tl, sink = _norm_topk_length(topk_length, topk), _norm_sink(attn_sink, q.dtype)
+                res = launch(qd, kvd, idx, tl, sink)
+                p = Problem(qd, kvd, idx, float(sm_scale), d_v, tl, sink, kv.shape) if want_problem else None
+                return p, res
+    with fastpath.recording() as rec:
+        p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+        res = fwd_problem(p)
+        launch = _fwd_launcher(p) if key is not None else None
+    if launch is not None:
+        fastpath.store(key, rec.knobs, launch)
+    return p, res
 
 
 def attn_dist(
@@ -419,16 +552,32 @@ def attn_dist(
 
 def attn_dist_eager(q, kv, indices, lse, sm_scale, topk_length=None, normalize=False):
     """:func:`attn_dist`'s body (the ``mla_kernels::attn_dist`` op's implementation)."""
-    p = make_problem(q, kv, indices, sm_scale, None, topk_length)
-    _check_lse("lse", lse, p.s_q, p.h_q, p.device)
-    _check_flag("normalize", normalize)
-    lse = _lse_for(lse, p.dtype)
-    cdt = compute_dtype(p.dtype)
-    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
-        return torch.zeros(p.s_q, p.topk, dtype=cdt, device=p.device)
-    backend = dispatch.select("attn_dist", p)
-    res = backend.attn_dist(_pad_topk(p, backend.topk_block), lse, normalize)
-    return res[:, : p.topk].contiguous() if res.shape[1] != p.topk else res
+    key = None
+    if fastpath.enabled() and type(normalize) is bool:
+        key = _fast_key("attn_dist", q, kv, indices, sm_scale, None, topk_length, (_plain_sig(lse), normalize))
+        if key is not None and key[-2] is None:  # lse: not a plain contiguous aligned tensor
+            key = None
+        if key is not None:
+            launch = fastpath.lookup(key)
+            if launch is not None:
+                topk = indices.shape[-1]
+                return launch(q.detach(), kv.detach().view(kv.shape[0], q.shape[2]), indices.view(q.shape[0], topk),
+                              _norm_topk_length(topk_length, topk), lse.detach())
+    with fastpath.recording() as rec:
+        p = make_problem(q, kv, indices, sm_scale, None, topk_length)
+        _check_lse("lse", lse, p.s_q, p.h_q, p.device)
+        _check_flag("normalize", normalize)
+        lse = _lse_for(lse, p.dtype)
+        cdt = compute_dtype(p.dtype)
+        if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
+            return torch.zeros(p.s_q, p.topk, dtype=cdt, device=p.device)
+        backend = dispatch.select("attn_dist", p)
+        res = backend.attn_dist(_pad_topk(p, backend.topk_block), lse, normalize)
+        res = res[:, : p.topk].contiguous() if res.shape[1] != p.topk else res
+        launch = _attn_dist_launcher(p, normalize) if key is not None else None
+    if launch is not None:
+        fastpath.store(key, rec.knobs, launch)
+    return res
 
 
 def sparse_mla_bwd(
@@ -496,12 +645,31 @@ def sparse_mla_bwd_eager(q, kv, out, dout, indices, lse, sm_scale, d_v=512, topk
                          *, dlse=None, deterministic=False, return_attn_sum=False):
     """:func:`sparse_mla_bwd`'s body (the ``mla_kernels::sparse_mla_bwd`` op's implementation);
     ``dlse`` is the gradient flowing into the forward's returned ``lse`` (the autograd formula's)."""
-    p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
-    _check_bwd_args(p, p.dtype, p.device, out, dout, lse, dlse, deterministic, return_attn_sum)
-    if dlse is not None:
-        dlse = _lse_for(dlse, p.dtype)
-    return bwd_problem(p, _contig(out.detach()), _contig(dout.detach()), _lse_for(lse, p.dtype), dlse,
-                       deterministic, return_attn_sum)
+    key = None
+    if fastpath.enabled() and type(deterministic) is bool and type(return_attn_sum) is bool:
+        key = _fast_key("bwd", q, kv, indices, sm_scale, d_v, topk_length,
+                        (_opt_sig(attn_sink), _opt_sig(out), _opt_sig(dout), _opt_sig(lse), _opt_sig(dlse),
+                         deterministic, return_attn_sum))
+        if key is not None:
+            launch = fastpath.lookup(key)
+            if launch is not None:
+                s_q, topk, d_qk = q.shape[0], indices.shape[-1], q.shape[2]
+                p = Problem(q.detach(), kv.detach().view(kv.shape[0], d_qk), indices.view(s_q, topk), float(sm_scale),
+                            d_v, _norm_topk_length(topk_length, topk), _norm_sink(attn_sink, q.dtype), kv.shape)
+                res = launch(p, _contig(out.detach()), _contig(dout.detach()), _lse_for(lse, q.dtype),
+                             None if dlse is None else _lse_for(dlse, q.dtype))
+                return _bwd_results(p, res, return_attn_sum)
+    with fastpath.recording() as rec:
+        p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+        _check_bwd_args(p, p.dtype, p.device, out, dout, lse, dlse, deterministic, return_attn_sum)
+        if dlse is not None:
+            dlse = _lse_for(dlse, p.dtype)
+        res = bwd_problem(p, _contig(out.detach()), _contig(dout.detach()), _lse_for(lse, p.dtype), dlse,
+                          deterministic, return_attn_sum)
+        launch = _bwd_launcher(p, deterministic, return_attn_sum) if key is not None else None
+    if launch is not None:
+        fastpath.store(key, rec.knobs, launch)
+    return res
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .api import _check_flag, bwd_problem, check_inputs, fwd_problem, make_problem, tracing
+from .api import _check_flag, bwd_problem, check_inputs, fwd_with_problem, tracing
 from .common.problem import Problem
 
 __all__ = ["SparseMLA", "sparse_mla", "AttnSum"]
@@ -70,8 +70,7 @@ class SparseMLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, deterministic, holder):
-        p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
-        out, _max_logits, lse = fwd_problem(p)
+        p, (out, _max_logits, lse) = fwd_with_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, True)
         ctx.save_for_backward(p.q, p.kv, p.indices, p.topk_length, p.attn_sink, out, lse, q, kv, attn_sink)
         ctx.meta = (p.sm_scale, p.d_v, p.kv_shape, bool(deterministic), holder)
         ctx.sink_dtype = attn_sink.dtype if attn_sink is not None else None

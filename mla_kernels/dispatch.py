@@ -18,7 +18,6 @@ Rules:
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from typing import Dict, Optional
@@ -27,7 +26,7 @@ import torch
 
 from . import _compile
 from . import reference as ref
-from .common import first_use
+from .common import fastpath, first_use
 from .common.backend import OPS, Backend
 from .common.problem import Problem
 
@@ -158,13 +157,16 @@ def register_backend(name: str, backend: Backend) -> None:
     lb = _LazyBackend(name, "<injected>")
     lb._obj = backend
     _KERNELS[name] = lb
+    fastpath.clear()
 
 
 def reset_state() -> None:
-    """Forget warnings and in-memory first-use verdicts (tests; verdict files stay on disk)."""
+    """Forget warnings, in-memory first-use verdicts and the host fast path's entries (tests; verdict
+    files stay on disk)."""
     with _lock:
         _warned.clear()
     first_use.forget()
+    fastpath.clear()
     _KERNELS["sm90"] = _LazyBackend("sm90", "mla_kernels.sm90")
     _KERNELS["sm100"] = _LazyBackend("sm100", "mla_kernels.sm100")
 
@@ -193,7 +195,7 @@ def _arch_of(device: torch.device) -> Optional[str]:
 
 
 def _requested() -> str:
-    choice = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
+    choice = fastpath.knob(ENV_BACKEND, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{ENV_BACKEND}={choice!r}: expected one of {', '.join(_CHOICES)}")
     return choice

@@ -9,8 +9,9 @@ the number of CUDA kernels one call launches (torch.profiler), and with ``--cpro
 functions with the most cumulative time (cProfile over the N calls).
 
   python tools/host_time.py [--ops fwd,attn_dist,bwd] [--n 50] [--cprofile 25] [--s-q 4096]
+                            [--paths full,fast]
 """
-import argparse, cProfile, io, os, pstats, sys, time
+import argparse, cProfile, os, pstats, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -26,8 +27,8 @@ class _Stages:
 
     def __init__(self):
         from mla_kernels import api, dispatch, sm90
-        from mla_kernels.common import bwd_host, host, kernel_backend, order_host
-        self.targets = [(api, "check_inputs"), (api, "make_problem"), (api, "_fwd_through_decode"),
+        from mla_kernels.common import bwd_host, fastpath, host, kernel_backend, order_host
+        self.targets = [(api, "_fast_key"), (fastpath, "lookup"), (api, "check_inputs"), (api, "make_problem"), (api, "_fwd_through_decode"),
                         (api, "_pad_topk"), (api, "_lse_for"), (dispatch, "select"), (host, "alloc"),
                         (kernel_backend.CuteKernelBackend, "fwd"), (kernel_backend.CuteKernelBackend, "attn_dist"),
                         (kernel_backend.CuteKernelBackend, "bwd"), (sm90.Sm90Backend, "fwd_kernel"),
@@ -91,6 +92,9 @@ def main(argv=None):
     ap.add_argument("--s-kv", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cprofile", type=int, default=0, metavar="K")
+    ap.add_argument("--paths", default="",
+                    help="comma list of 'fast' / 'full': time each op with the host fast path on and with "
+                         "MLA_KERNELS_FASTPATH=0 (default: as the environment says)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the host stages (inclusive wall time per call, wrappers add ~0.3 us each)")
     a = ap.parse_args(argv)
@@ -108,7 +112,12 @@ def main(argv=None):
         "bwd": lambda: mk.sparse_mla_bwd(q, kv, out, dout, idx, lse, scale),
     }
     print(f"GPU: {torch.cuda.get_device_name()}; s_q {a.s_q}, h_q {a.h_q}, s_kv {a.s_kv}, topk {a.topk}, d_qk 576")
-    for op in [x for x in a.ops.split(",") if x]:
+    paths = [x for x in a.paths.split(",") if x] or [""]
+    for op, path in [(o, pth) for o in a.ops.split(",") if o for pth in paths]:
+        if path:
+            if path not in ("fast", "full"):
+                ap.error(f"--paths: 'fast' or 'full', got {path!r}")
+            os.environ["MLA_KERNELS_FASTPATH"] = "0" if path == "full" else "1"
         fn = calls[op]
         for _ in range(5):
             fn()
@@ -127,7 +136,7 @@ def main(argv=None):
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             best.append((t1 - t0) / a.n * 1e6)
-        print(f"{op:10s} host {min(best):7.1f} us/call (median of 3 loops {sorted(best)[1]:.1f}); "
+        print(f"{op + (' ' + path if path else ''):10s} host {min(best):7.1f} us/call (median of 3 loops {sorted(best)[1]:.1f}); "
               f"{len(kernels)} kernels: {', '.join(k[:48] for k in kernels)}")
         if a.breakdown:
             stages = _Stages()
@@ -148,10 +157,13 @@ def main(argv=None):
                 fn()
             pr.disable()
             torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(a.cprofile)
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(a.cprofile)
-            print("\n".join(l for l in s.getvalue().splitlines() if l.strip())[:12000])
+            st = pstats.Stats(pr).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+            rows = [(tt / a.n * 1e6, ct / a.n * 1e6, nc / a.n, f"{os.path.basename(k[0])}:{k[1]}({k[2]})")
+                    for k, (cc, nc, tt, ct, _) in st.items()]
+            for title, col in (("self", 0), ("cumulative", 1)):
+                print(f"    top {a.cprofile} by {title} time (us per call of the op, under cProfile; calls per op call):")
+                for r in sorted(rows, key=lambda r: -r[col])[:a.cprofile]:
+                    print(f"      {r[0]:7.2f} self {r[1]:7.2f} cum {r[2]:5.1f}x  {r[3]}")
     return 0
 
 

@@ -58,6 +58,25 @@ class Backend:
     def attn_dist(self, p: Problem, lse: torch.Tensor, normalize: bool) -> torch.Tensor:
         raise NotImplementedError
 
+    # -- the host fast path (``common/fastpath.py``) ---------------------------------------------
+    def fwd_launcher(self, p: Problem):
+        """A callable ``(q, kv, indices, topk_length, attn_sink) -> (out, max_logits, lse)`` that
+        does what ``fwd(p)`` does for any problem whose tensors have ``p``'s shapes, dtypes and
+        device (normalised as ``Problem`` holds them), or None if ``fwd`` needs more than that
+        (the API then takes the full path for every such call).  Default: None."""
+        return None
+
+    def attn_dist_launcher(self, p: Problem, normalize: bool):
+        """As :meth:`fwd_launcher` for ``attn_dist(p, lse, normalize)``: a callable
+        ``(q, kv, indices, topk_length, lse) -> attn_sum``, or None."""
+        return None
+
+    def bwd_launcher(self, p: Problem, deterministic: bool, return_attn_sum: bool):
+        """As :meth:`fwd_launcher` for ``bwd``: a callable ``(p2, out, dout, lse, dlse)`` doing
+        ``bwd(p2, out, dout, lse, dlse=dlse, ...)`` with these flags for a ``p2`` with ``p``'s
+        metadata (the API skips validation and dispatch for it), or None."""
+        return None
+
     def bwd(
         self,
         p: Problem,

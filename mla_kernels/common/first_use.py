@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import fastpath
 from .problem import Problem
 
 ENV_CHECK = "MLA_KERNELS_CANARY"
@@ -49,7 +50,7 @@ _RESULT = "MLA_KERNELS_CHECK_RESULT "
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_CHECK, "1").strip() != "0"
+    return fastpath.knob(ENV_CHECK, "1").strip() != "0"
 
 
 def timeout_s() -> float:

@@ -187,29 +187,67 @@ class CuteKernelBackend(Backend):
 
             if order_host.fwd_order_wanted(p):  # out / max_logits / lse do not depend on the slot order
                 p = order_host.kv_ordered(p, False)[0]
+        return self._fwd_launch(p)(p.q, p.kv, p.indices, p.topk_length, p.attn_sink)
+
+    def fwd_launcher(self, p: Problem):
+        if self.fwd_sort_indices:
+            from . import order_host
+
+            if order_host.fwd_order_wanted(p):  # a per-call ordering kernel: no fast path
+                return None
+        return self._fwd_launch(p)
+
+    def _fwd_launch(self, p: Problem):
+        """The launch of the forward for ``p``'s static configuration and shapes."""
         fn = self.fwd_kernel(p)
-        out = host.alloc((p.s_q, p.h_q, p.d_v), torch.bfloat16, p.device)
-        max_logits = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
-        lse = host.alloc((p.s_q, p.h_q), torch.float32, p.device)
-        tl = p.topk_length if p.topk_length is not None else host.dummy(torch.int32, p.device)
-        sink = p.attn_sink if p.attn_sink is not None else host.dummy(torch.float32, p.device)
-        fn(p.q, p.kv, p.indices, tl, sink, out, max_logits, lse, p.sm_scale * math.log2(math.e))
-        return out, max_logits, lse
+        out_shape, row_shape, device = (p.s_q, p.h_q, p.d_v), (p.s_q, p.h_q), p.device
+        tl0 = host.dummy(torch.int32, device)
+        sink0 = host.dummy(torch.float32, device)
+        scale_log2 = p.sm_scale * math.log2(math.e)
+        alloc, bf16, f32 = host.alloc, torch.bfloat16, torch.float32
+
+        def launch(q, kv, indices, topk_length, attn_sink):
+            out = alloc(out_shape, bf16, device)
+            max_logits = alloc(row_shape, f32, device)
+            lse = alloc(row_shape, f32, device)
+            fn(q, kv, indices, tl0 if topk_length is None else topk_length, sink0 if attn_sink is None else attn_sink,
+               out, max_logits, lse, scale_log2)
+            return out, max_logits, lse
+
+        return launch
 
     def attn_dist(self, p: Problem, lse: torch.Tensor, normalize: bool):
+        return self.attn_dist_launcher(p, normalize)(p.q, p.kv, p.indices, p.topk_length, lse)
+
+    def attn_dist_launcher(self, p: Problem, normalize: bool):
         n_groups = p.h_q // self.attn_dist_heads_per_cta(p.h_q)
         fused = normalize and n_groups == 1  # one CTA covers all heads of a token
         fn = self.attn_dist_kernel(p, fused)
-        out = host.alloc((n_groups, p.s_q, p.topk), torch.float32, p.device)
-        tl = p.topk_length if p.topk_length is not None else host.dummy(torch.int32, p.device)
-        fn(p.q, p.kv, p.indices, tl, lse.float().contiguous(), out, p.sm_scale * math.log2(math.e))
-        if n_groups == 1:
-            return out[0]
-        res = out.sum(dim=0)  # several head groups per token: combine on the host side
-        if normalize:
-            tot = res.sum(dim=-1, keepdim=True)
-            res = torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), res)
-        return res
+        out_shape, device = (n_groups, p.s_q, p.topk), p.device
+        tl0 = host.dummy(torch.int32, device)
+        scale_log2 = p.sm_scale * math.log2(math.e)
+        alloc, f32 = host.alloc, torch.float32
+
+        def launch(q, kv, indices, topk_length, lse):
+            out = alloc(out_shape, f32, device)
+            fn(q, kv, indices, tl0 if topk_length is None else topk_length, lse.float().contiguous(), out, scale_log2)
+            if n_groups == 1:
+                return out[0]
+            res = out.sum(dim=0)  # several head groups per token: combine on the host side
+            if normalize:
+                tot = res.sum(dim=-1, keepdim=True)
+                res = torch.where(tot > 0, res / torch.where(tot > 0, tot, torch.ones_like(tot)), res)
+            return res
+
+        return launch
+
+    def bwd_launcher(self, p: Problem, deterministic: bool, return_attn_sum: bool):
+        # (the backward's host work -- row terms, slot order, workspace, conversion -- stays per call)
+        def launch(p2, out, dout, lse, dlse):
+            return self.bwd(p2, out, dout, lse, dlse=dlse, deterministic=deterministic,
+                            return_attn_sum=return_attn_sum)
+
+        return launch
 
     def bwd(self, p: Problem, out, dout, lse, *, dlse=None, deterministic=False, return_attn_sum=False):
         from . import bwd_host

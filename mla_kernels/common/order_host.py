@@ -5,12 +5,11 @@ is imported only to compile."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .. import _compile
-from . import host
+from . import fastpath, host
 from .problem import Problem
 
 
@@ -20,7 +19,7 @@ SORT_ENV = "MLA_KERNELS_BWD_SORT"
 
 
 def sort_enabled() -> bool:
-    return os.environ.get(SORT_ENV, "1") != "0"
+    return fastpath.knob(SORT_ENV, "1") != "0"
 
 
 #: Environment switch of the forward's use of :func:`kv_ordered` (``auto``: :func:`fwd_order_wanted`'s
@@ -36,7 +35,7 @@ def fwd_order_wanted(p: Problem) -> bool:
     H200 (docs/PERF.md): h_q 64 s_kv 64k / 128k / 256k 1.02x / 1.06x / 1.07x; at h_q 128 (two CTAs
     per token read the same rows) 0.98-1.00x, so not used there; with the kv rows in L2 the order
     gains nothing and costs its kernel."""
-    mode = os.environ.get(FWD_ORDER_ENV, "auto")
+    mode = fastpath.knob(FWD_ORDER_ENV, "auto")
     if mode == "0" or not p.indices.is_cuda or p.s_q == 0 or p.topk == 0:
         return False
     if mode == "1":

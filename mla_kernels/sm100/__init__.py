@@ -14,10 +14,10 @@ first-use canary against the reference for every new configuration.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from .. import _compile
+from ..common import fastpath
 from ..common.kernel_backend import (
     CuteKernelBackend, attn_dist_fake_args, bwd_fake_args, cached, fwd_fake_args,
 )
@@ -49,7 +49,7 @@ ENV_FWD_KERNEL = "MLA_KERNELS_SM100_FWD"
 def kernel_choice(env: str) -> str:
     """The bring-up knob ``env`` (:data:`ENV_FWD_KERNEL` / :data:`ENV_BWD_KERNEL`): ``auto``
     (default), ``1cta`` or ``2cta``; anything else raises."""
-    choice = os.environ.get(env, "auto").strip().lower() or "auto"
+    choice = fastpath.knob(env, "auto").strip().lower() or "auto"
     if choice not in ("auto", "1cta", "2cta"):
         raise ValueError(f"{env}={choice!r}: expected auto, 1cta or 2cta")
     return choice

@@ -11,11 +11,10 @@ d_attn_sink) live in ``common/bwd_host.py`` (shared with sm100).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from .. import _compile
-from ..common import decode_host
+from ..common import decode_host, fastpath
 from ..common.kernel_backend import (
     CuteKernelBackend, attn_dist_fake_args, bwd_fake_args, cached, fwd_fake_args,
 )
@@ -50,7 +49,7 @@ def attn_dist_ctas(device, h_q: int = 128, s_q: int = 1 << 30) -> int:
     item always; ``N`` -- at most N CTAs in every mode (tests use a few, so that every CTA runs many
     items).  Measured on an H200 (docs/PERF.md): persistent +5-6% at h_q 128, -1.5..-2.6% in
     ``tokens`` mode."""
-    env = os.environ.get("MLA_KERNELS_ATTN_DIST_CTAS", "").strip()
+    env = fastpath.knob("MLA_KERNELS_ATTN_DIST_CTAS", "").strip()
     if env in ("", "auto"):
         if attn_dist_mode(h_q) != "heads":
             return 0
@@ -72,7 +71,7 @@ def attn_dist_q_vec() -> bool:
     ``MLA_KERNELS_ATTN_DIST_QVEC`` unset or ``1`` -- by 16-byte loads and a word transpose in each
     lane quad (the default: +2-3% at h_q 128 persistent, +3-5% in ``tokens`` mode on an H200,
     docs/PERF.md); ``0`` -- by 4-byte loads.  Bitwise the same results."""
-    env = os.environ.get("MLA_KERNELS_ATTN_DIST_QVEC", "").strip()
+    env = fastpath.knob("MLA_KERNELS_ATTN_DIST_QVEC", "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"MLA_KERNELS_ATTN_DIST_QVEC must be 0 or 1, got {env!r}")
     return env != "0"
@@ -84,7 +83,7 @@ def attn_dist_q_ring() -> bool:
     of the item's KV blocks and the consumers load it from shared memory (the default: 1.012-1.024x
     at h_q 128 on an H200, docs/PERF.md); ``0`` -- the consumers load it from global memory at the
     item's start.  Bitwise the same results; other grids and modes always take the global path."""
-    env = os.environ.get("MLA_KERNELS_ATTN_DIST_QRING", "").strip()
+    env = fastpath.knob("MLA_KERNELS_ATTN_DIST_QRING", "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"MLA_KERNELS_ATTN_DIST_QRING must be 0 or 1, got {env!r}")
     return env != "0"
@@ -211,7 +210,7 @@ class Sm90Backend(CuteKernelBackend):
         # timing copies (wrong outputs) for measurements, MLA_KERNELS_ATTN_DIST_PROFILE: noq (persistent
         # grids only) -- a CTA's later items reuse its first item's Q, so the difference is the Q
         # loads; gather -- the KV gather alone (the consumers free each block as it lands)
-        prof = os.environ.get("MLA_KERNELS_ATTN_DIST_PROFILE", "")
+        prof = fastpath.knob("MLA_KERNELS_ATTN_DIST_PROFILE", "")
         if prof == "noq" and not ctas:
             prof = ""
         qvec = attn_dist_q_vec()
