@@ -304,8 +304,8 @@ def fwd_problem(p: Problem) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _decode_route(p: Problem):
-    """``(backend, num_splits, blocks_per_split)`` when :func:`_fwd_through_decode` runs ``p`` on
-    the split-top-k decode kernels, else None."""
+    """The (unallocated) decode plan -- backend and split chosen -- on which
+    :func:`_fwd_through_decode` runs ``p``, else None."""
     if p.device.type != "cuda" or not p.sm_scale > 0:
         return None
     narrow = p.h_q in NARROW_HEADS
@@ -314,11 +314,9 @@ def _decode_route(p: Problem):
     n, bps = choose_splits(p.s_q, 1, p.h_q, p.topk, device_sm_count(p.device))
     if n == 1 and not narrow:  # (decided before the plan and the dispatch: the prefill's common case)
         return None
-    proto = DecodePlan(p.s_q, 1, p.h_q, p.topk, p.d_qk, p.d_v, p.device, p.dtype, 1, 1, with_max_logits=True)
-    backend = dispatch.serving_kernel("decode", proto)
-    if backend is None:
-        return None
-    return backend, n, bps
+    proto = DecodePlan(p.s_q, 1, p.h_q, p.topk, p.d_qk, p.d_v, p.device, p.dtype, n, bps, with_max_logits=True)
+    proto.backend = dispatch.serving_kernel("decode", proto)
+    return proto if proto.backend is not None else None
 
 
 def _fwd_through_decode(p: Problem):
@@ -330,12 +328,10 @@ def _fwd_through_decode(p: Problem):
     when a kernel backend serves the decode for ``p``'s configuration and either the rule
     gives more than one split or ``h_q`` is one of the narrow head counts.  Returns None
     otherwise."""
-    route = _decode_route(p)
-    if route is None:
+    proto = _decode_route(p)
+    if proto is None:
         return None
-    backend, n, bps = route
-    proto = DecodePlan(p.s_q, 1, p.h_q, p.topk, p.d_qk, p.d_v, p.device, p.dtype, n, bps, with_max_logits=True)
-    proto.backend = backend
+    backend = proto.backend
     proto.allocate()
     backend.prepare_decode(proto)
     out, lse, ml = backend.decode(
@@ -391,36 +387,24 @@ def _fast_key(op: str, q, kv, indices, sm_scale, d_v, topk_length, extra):
     return (op, sq, skv, sidx, stl, sm_scale, d_v) + extra
 
 
-def _fwd_launcher(p: Problem):
-    """What :func:`fwd_problem` runs for ``p``, as a launcher ``(q, kv, indices, topk_length,
-    attn_sink)`` (normalised tensors), or None when it is more than a kernel launch."""
-    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0 or _decode_route(p) is not None:
+def _launcher(op: str, p: Problem, *args):
+    """What the full path runs for ``op`` on ``p`` as the backend's launcher
+    (``Backend.<op>_launcher(p, *args)``), or None when it is more than a kernel launch: an empty
+    problem, a padded ``topk``, the forward's decode routing, a backend without launchers."""
+    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0 or (op == "fwd" and _decode_route(p) is not None):
         return None
-    backend = dispatch.select("fwd", p)
+    backend = dispatch.select(op, p)
     if p.topk % backend.topk_block:
         return None
-    return backend.fwd_launcher(p)
+    return getattr(backend, op + "_launcher")(p, *args)
 
 
-def _bwd_launcher(p: Problem, deterministic: bool, return_attn_sum: bool):
-    """As :func:`_fwd_launcher` for :func:`bwd_problem`: a launcher ``(p, out, dout, lse, dlse)``
-    (a Problem with ``p``'s metadata, normalised tensors), or None."""
-    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
-        return None
-    backend = dispatch.select("bwd", p)
-    if p.topk % backend.topk_block:
-        return None
-    return backend.bwd_launcher(p, deterministic, return_attn_sum)
-
-
-def _attn_dist_launcher(p: Problem, normalize: bool):
-    """As :func:`_fwd_launcher` for :func:`attn_dist_eager`."""
-    if p.s_q == 0 or p.s_kv == 0 or p.topk == 0:
-        return None
-    backend = dispatch.select("attn_dist", p)
-    if p.topk % backend.topk_block:
-        return None
-    return backend.attn_dist_launcher(p, normalize)
+def _fast_inputs(q, kv, indices, topk_length, attn_sink):
+    """The normalised ``(q, kv, indices, topk_length, attn_sink)`` of a call whose fast-path key hit
+    (:func:`make_problem`'s tensors, without its checks: the key's first call passed them)."""
+    s_q, topk = q.shape[0], indices.shape[-1]
+    return (q.detach(), kv.detach().view(kv.shape[0], q.shape[2]), indices.view(s_q, topk),
+            _norm_topk_length(topk_length, topk), _norm_sink(attn_sink, q.dtype))
 
 
 def bwd_problem(p: Problem, out, dout, lse, dlse=None, deterministic=False, return_attn_sum=False):
@@ -503,16 +487,13 @@ def fwd_with_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, want
         if key is not None:
             launch = fastpath.lookup(key)
             if launch is not None:
-                s_q, topk, d_qk = q.shape[0], indices.shape[-1], q.shape[2]
-                qd, kvd, idx = q.detach(), kv.detach().view(kv.shape[0], d_qk), indices.view(s_q, topk)
-                tl, sink = _norm_topk_length(topk_length, topk), _norm_sink(attn_sink, q.dtype)
-                res = launch(qd, kvd, idx, tl, sink)
-                p = Problem(qd, kvd, idx, float(sm_scale), d_v, tl, sink, kv.shape) if want_problem else None
-                return p, res
+                t = _fast_inputs(q, kv, indices, topk_length, attn_sink)
+                p = Problem(*t[:3], float(sm_scale), d_v, *t[3:], kv.shape) if want_problem else None
+                return p, launch(*t)
     with fastpath.recording() as rec:
         p = make_problem(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
         res = fwd_problem(p)
-        launch = _fwd_launcher(p) if key is not None else None
+        launch = _launcher("fwd", p) if key is not None else None
     if launch is not None:
         fastpath.store(key, rec.knobs, launch)
     return p, res
@@ -553,16 +534,13 @@ def attn_dist(
 def attn_dist_eager(q, kv, indices, lse, sm_scale, topk_length=None, normalize=False):
     """:func:`attn_dist`'s body (the ``mla_kernels::attn_dist`` op's implementation)."""
     key = None
-    if fastpath.enabled() and type(normalize) is bool:
-        key = _fast_key("attn_dist", q, kv, indices, sm_scale, None, topk_length, (_plain_sig(lse), normalize))
-        if key is not None and key[-2] is None:  # lse: not a plain contiguous aligned tensor
-            key = None
+    slse = _plain_sig(lse)  # passed on as it is: plain, contiguous, aligned (float32 for the kernels)
+    if fastpath.enabled() and type(normalize) is bool and slse is not None:
+        key = _fast_key("attn_dist", q, kv, indices, sm_scale, None, topk_length, (slse, normalize))
         if key is not None:
             launch = fastpath.lookup(key)
             if launch is not None:
-                topk = indices.shape[-1]
-                return launch(q.detach(), kv.detach().view(kv.shape[0], q.shape[2]), indices.view(q.shape[0], topk),
-                              _norm_topk_length(topk_length, topk), lse.detach())
+                return launch(*_fast_inputs(q, kv, indices, topk_length, None)[:4], lse.detach())
     with fastpath.recording() as rec:
         p = make_problem(q, kv, indices, sm_scale, None, topk_length)
         _check_lse("lse", lse, p.s_q, p.h_q, p.device)
@@ -574,7 +552,7 @@ def attn_dist_eager(q, kv, indices, lse, sm_scale, topk_length=None, normalize=F
         backend = dispatch.select("attn_dist", p)
         res = backend.attn_dist(_pad_topk(p, backend.topk_block), lse, normalize)
         res = res[:, : p.topk].contiguous() if res.shape[1] != p.topk else res
-        launch = _attn_dist_launcher(p, normalize) if key is not None else None
+        launch = _launcher("attn_dist", p, normalize) if key is not None else None
     if launch is not None:
         fastpath.store(key, rec.knobs, launch)
     return res
@@ -653,9 +631,8 @@ def sparse_mla_bwd_eager(q, kv, out, dout, indices, lse, sm_scale, d_v=512, topk
         if key is not None:
             launch = fastpath.lookup(key)
             if launch is not None:
-                s_q, topk, d_qk = q.shape[0], indices.shape[-1], q.shape[2]
-                p = Problem(q.detach(), kv.detach().view(kv.shape[0], d_qk), indices.view(s_q, topk), float(sm_scale),
-                            d_v, _norm_topk_length(topk_length, topk), _norm_sink(attn_sink, q.dtype), kv.shape)
+                t = _fast_inputs(q, kv, indices, topk_length, attn_sink)
+                p = Problem(*t[:3], float(sm_scale), d_v, *t[3:], kv.shape)
                 res = launch(p, _contig(out.detach()), _contig(dout.detach()), _lse_for(lse, q.dtype),
                              None if dlse is None else _lse_for(dlse, q.dtype))
                 return _bwd_results(p, res, return_attn_sum)
@@ -666,7 +643,7 @@ def sparse_mla_bwd_eager(q, kv, out, dout, indices, lse, sm_scale, d_v=512, topk
             dlse = _lse_for(dlse, p.dtype)
         res = bwd_problem(p, _contig(out.detach()), _contig(dout.detach()), _lse_for(lse, p.dtype), dlse,
                           deterministic, return_attn_sum)
-        launch = _bwd_launcher(p, deterministic, return_attn_sum) if key is not None else None
+        launch = _launcher("bwd", p, deterministic, return_attn_sum) if key is not None else None
     if launch is not None:
         fastpath.store(key, rec.knobs, launch)
     return res

@@ -265,6 +265,38 @@ def test_reset_state_and_register_clear_the_entries(fake):
     assert fastpath.size() == 0
 
 
+def test_kernel_backend_launchers_on_cpu(monkeypatch):
+    """CuteKernelBackend's forward: one launch of the compiled function with the problem's tensors
+    (dummies for absent options); no launcher -- and the ordered slots -- when the slot order is
+    wanted.  The compiled kernel is a recording stand-in."""
+    from mla_kernels.common import kernel_backend, order_host
+
+    seen = []
+
+    class Stub(kernel_backend.CuteKernelBackend):
+        name = "stub"
+        fwd_sort_indices = True
+
+        def fwd_kernel(self, p):
+            return lambda *a: seen.append(a)
+
+    c = make_case(3, 64, 576, 50, 64, dtype=torch.bfloat16, seed=1)
+    p = mk.api.make_problem(c.q, c.kv, c.indices, c.sm_scale, 512)
+    b = Stub()
+    out, ml, lse = b.fwd(p)
+    assert out.shape == (3, 64, 512) and ml.shape == lse.shape == (3, 64)
+    (args,) = seen
+    assert args[0] is p.q and args[2] is p.indices and args[5] is out
+    assert args[8] == pytest.approx(c.sm_scale * 1.4426950408889634)  # sm_scale * log2(e)
+    assert b.fwd_launcher(p) is not None
+    ordered = p.with_indices(p.indices.flip(1).contiguous())
+    monkeypatch.setattr(order_host, "fwd_order_wanted", lambda p: True)
+    monkeypatch.setattr(order_host, "kv_ordered", lambda p, want: (ordered, None))
+    assert b.fwd_launcher(p) is None
+    b.fwd(p)
+    assert seen[1][2] is ordered.indices
+
+
 def test_guard_and_recording_units(monkeypatch):
     monkeypatch.delenv("MLA_KERNELS_TEST_X", raising=False)
     with fastpath.recording() as outer:

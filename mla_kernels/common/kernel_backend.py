@@ -182,18 +182,21 @@ class CuteKernelBackend(Backend):
         return None
 
     def fwd(self, p: Problem):
-        if self.fwd_sort_indices:
+        launch = self.fwd_launcher(p)
+        if launch is None:  # kv-ordered slots first (out / max_logits / lse do not depend on the order)
             from . import order_host
 
-            if order_host.fwd_order_wanted(p):  # out / max_logits / lse do not depend on the slot order
-                p = order_host.kv_ordered(p, False)[0]
-        return self._fwd_launch(p)(p.q, p.kv, p.indices, p.topk_length, p.attn_sink)
+            p = order_host.kv_ordered(p, False)[0]
+            launch = self._fwd_launch(p)
+        return launch(p.q, p.kv, p.indices, p.topk_length, p.attn_sink)
 
     def fwd_launcher(self, p: Problem):
+        """None when the forward runs on kv-ordered slots (``order_host.fwd_order_wanted``: a
+        per-call ordering kernel first)."""
         if self.fwd_sort_indices:
             from . import order_host
 
-            if order_host.fwd_order_wanted(p):  # a per-call ordering kernel: no fast path
+            if order_host.fwd_order_wanted(p):
                 return None
         return self._fwd_launch(p)
 
