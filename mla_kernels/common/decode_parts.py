@@ -73,7 +73,7 @@ class PagedKvGather(KvGather):
         return n // self.ps
 
     def index_at(self, slot):
-        pos = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
+        pos = self.fetch_slot(slot)
         ps = self.ps
         pos_c = cutlass.max(pos, Int32(0))
         page_i = self.div_page(pos_c)

@@ -48,6 +48,7 @@ class KvGather:
         self.d_qk = d_qk
         self.n_tiles = d_qk // 64
         self.ptid = ptid
+        self.vote_row = ptid % ROWS  # the row of each 64-row block this thread votes for
         self.group = ptid // 8
         lane8 = ptid % 8
         self.smem_off = self.group * 128 + ((lane8 ^ (self.group % 8)) * 16)
@@ -64,10 +65,14 @@ class KvGather:
     def __new_from_mlir_values__(self, values):
         return self
 
+    def fetch_slot(self, slot) -> Int32:
+        """The raw index of top-k ``slot`` of this token (a slot past ``topk`` reads the last one:
+        :func:`~mla_kernels.common.device.slot_valid` invalidates it by ``topk_len``)."""
+        return self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
+
     def index_at(self, slot):
         """``(idx, valid)`` of top-k ``slot`` of this token."""
-        # slot >= topk only happens past topk_len (<= topk): read a clamped slot, then invalidate.
-        idx = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
+        idx = self.fetch_slot(slot)
         return idx, dev.slot_valid(idx, slot, self.s_kv, self.topk_len)
 
     def load_indices(self, block, slot_b: int) -> None:
@@ -85,8 +90,7 @@ class KvGather:
         whose latency hides behind whatever the thread waits on next.  Slots past ``topk`` read a
         clamped slot (:meth:`indices_from_raw` invalidates them)."""
         for j in range(self.rows_per_thread):
-            slot = block * self.rows + self.group + GROUPS * j
-            raw[slot_b * self.rows_per_thread + j] = self.mIdx[self.s_idx, cutlass.min(slot, self.topk - 1)]
+            raw[slot_b * self.rows_per_thread + j] = self.fetch_slot(block * self.rows + self.group + GROUPS * j)
 
     def indices_from_raw(self, raw: cute.Tensor, block, slot_b: int) -> None:
         """:meth:`load_indices` from indices already fetched by :meth:`fetch_raw`."""
@@ -121,13 +125,25 @@ class KvGather:
                 base + j * GROUPS * 128, self.src[slot_b, j] + Int64(t * 128), self.ok[slot_b, j], self.policy
             )
 
+    def vote_slot(self, block):
+        """The slot this thread votes for in ``block`` (64-row blocks): row ``ptid % 64``."""
+        assert self.rows == ROWS, "the validity vote assumes 64-row blocks"
+        return block * ROWS + self.vote_row
+
+    def vote_from_raw(self, raw_idx: Int32, slot) -> Uint32:
+        """:meth:`valid_word` from the vote slot's index fetched earlier (:meth:`fetch_slot` of
+        :meth:`vote_slot`: a prefetch whose latency leaves the block's path).  Plain ids only: a
+        gather that translates ids (decode's block table) votes by :meth:`valid_word`."""
+        return Uint32(cute.arch.vote_ballot_sync(dev.slot_valid(raw_idx, slot, self.s_kv, self.topk_len)))
+
     def valid_word(self, block) -> Uint32:
         """Ballot of slot validity (64-row blocks only): thread t votes for row ``t % 64`` of
         ``block``; lane l of warp w holds bit l = row ``32 * (w % 2) + l``.  Every lane gets the
         warp's word."""
+        # the slot of :meth:`vote_slot`, formed here (not from ``vote_row``) so that the decode
+        # kernels, which vote only this way, keep their instruction order
         assert self.rows == ROWS, "valid_word assumes 64-row blocks"
-        slot = block * ROWS + self.ptid % ROWS
-        _, v = self.index_at(slot)
+        _, v = self.index_at(block * ROWS + self.ptid % ROWS)
         return Uint32(cute.arch.vote_ballot_sync(v))
 
 

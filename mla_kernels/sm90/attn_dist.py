@@ -247,13 +247,11 @@ class AttnDistSm90:
         # 1.037x; heads mode measured 0.986x with it, so it loads each block's indices in place)
         prefetch = const_expr(self.mode == "tokens")
         rpt = gather.rows_per_thread
-        raw = cute.make_rmem_tensor((rpt + 1,), Int32)
-        topk = mIdx.shape[1]
-        vrow = idx_in_wg % B_TOPK
+        raw = cute.make_rmem_tensor((rpt + 1,), Int32)  # the copy rows' indices, then the vote slot's
         if const_expr(prefetch):
             if num_blocks > 0:
                 gather.fetch_raw(raw, 0, 0)
-                raw[rpt] = mIdx[s_idx, cutlass.min(vrow, topk - 1)]
+                raw[rpt] = gather.fetch_slot(gather.vote_slot(0))
         for b in cutlass.range(num_blocks, unroll=1):
             g = g0 + b
             slot = g % self.nb
@@ -261,11 +259,11 @@ class AttnDistSm90:
             bits = Uint32(0)
             if const_expr(prefetch):
                 gather.indices_from_raw(raw, b, 0)
-                vslot = b * B_TOPK + vrow
-                bits = Uint32(cute.arch.vote_ballot_sync(dev.slot_valid(raw[rpt], vslot, gather.s_kv, topk_len)))
+                vslot = gather.vote_slot(b)
+                bits = gather.vote_from_raw(raw[rpt], vslot)
                 # the next block's (slots past topk read a clamped slot; never used past the end)
                 gather.fetch_raw(raw, b + 1, 0)
-                raw[rpt] = mIdx[s_idx, cutlass.min(vslot + B_TOPK, topk - 1)]
+                raw[rpt] = gather.fetch_slot(vslot + B_TOPK)
             else:
                 gather.load_indices(b, 0)
                 bits = gather.valid_word(b)

@@ -299,24 +299,21 @@ class SparseMlaFwdSm90:
         they read the previous masks before (WG0: ``k0l``, WG1: ``k1r``)."""
         rpt = gather.rows_per_thread
         raw = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
-        topk = mIdx.shape[1]
-        vrow = ptid % B_TOPK
         vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
         if num_iters > 0:
             gather.fetch_raw(raw, 0, 0)
             gather.fetch_raw(raw, 1, 1)
-            raw[2 * rpt] = mIdx[s_idx, cutlass.min(vblk * B_TOPK + vrow, topk - 1)]
+            raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(vblk))
         for it in cutlass.range(num_iters, unroll=1):
             parity = it & 1
             gather.indices_from_raw(raw, 2 * it, 0)
             gather.indices_from_raw(raw, 2 * it + 1, 1)
-            vslot = (2 * it + vblk) * B_TOPK + vrow
-            vok = dev.slot_valid(raw[2 * rpt], vslot, gather.s_kv, topk_len)
-            bits = Uint32(cute.arch.vote_ballot_sync(vok))
+            vslot = gather.vote_slot(2 * it + vblk)
+            bits = gather.vote_from_raw(raw[2 * rpt], vslot)
             # Next iteration's indices (slots past topk read a clamped slot; never used past the end).
             gather.fetch_raw(raw, 2 * it + 2, 0)
             gather.fetch_raw(raw, 2 * it + 3, 1)
-            raw[2 * rpt] = mIdx[s_idx, cutlass.min(vslot + 2 * B_TOPK, topk - 1)]
+            raw[2 * rpt] = gather.fetch_slot(vslot + 2 * B_TOPK)
             k0l.wait_free(parity)
             gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
             k0l.commit_cp_async()
