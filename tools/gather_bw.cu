@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #define CK(x)                                                                                  \
@@ -271,61 +272,45 @@ int main(int argc, char** argv) {
       }
       return bad;
     };
-    const char* names[6] = {"A0 ldgsts naive", "B bulk row, 1 warp", "C tma 9/row, 1 warp", "A ldgsts(SW128)",
-                            "B4 bulk row, 4 warps", "C4 tma 9/row, 4 warps"};
-    long bad[7];
-    CK(cudaMemset(dump, 0, STAGE_B));
-    run<0, 2>(tm, kv, idx, tokens, sms, dump, 1);
-    bad[0] = check(0);
-    CK(cudaMemset(dump, 0, STAGE_B));
-    run<1, 2>(tm, kv, idx, tokens, sms, dump, 1);
-    bad[1] = check(1);
-    CK(cudaMemset(dump, 0, STAGE_B));
-    run<2, 2>(tm, kv, idx, tokens, sms, dump, 1);
-    bad[2] = check(2);
-    CK(cudaMemset(dump, 0, STAGE_B));
-    run<3, 2>(tm, kv, idx, tokens, sms, dump, 1);
-    bad[3] = check(3);
-    CK(cudaMemset(dump, 0, STAGE_B));
-    run<4, 2>(tm, kv, idx, tokens, sms, dump, 1);
-    bad[4] = check(1);
-    CK(cudaMemset(dump, 0, STAGE_B));
-    run<5, 2>(tm, kv, idx, tokens, sms, dump, 1);
-    bad[5] = check(2);
-    CK(cudaMemset(dump, 0, STAGE_B));
-    run<6, 2>(tm, kv, idx, tokens, sms, dump, 1);
-    bad[6] = check(3);
+    // layout check of each variant's first stage (layout: 1 row-contiguous, else SW128 tiles)
+    constexpr int NV = 7;  // 0-5 as named, 6 = AP
+    const char* names[NV] = {"A0 ldgsts naive", "B bulk row, 1 warp", "C tma 9/row, 1 warp", "A ldgsts(SW128)",
+                             "B4 bulk row, 4 warps", "C4 tma 9/row, 4 warps", "AP ldgsts+policy"};
+    const int layout[NV] = {0, 1, 0, 0, 1, 0, 0};
+    long bad[NV];
+    auto each = [&](auto&& f) {  // f(std::integral_constant<int, V>) for every variant V
+      f(std::integral_constant<int, 0>{}), f(std::integral_constant<int, 1>{}), f(std::integral_constant<int, 2>{});
+      f(std::integral_constant<int, 3>{}), f(std::integral_constant<int, 4>{}), f(std::integral_constant<int, 5>{});
+      f(std::integral_constant<int, 6>{});
+    };
+    each([&](auto v) {
+      CK(cudaMemset(dump, 0, STAGE_B));
+      run<decltype(v)::value, 2>(tm, kv, idx, tokens, sms, dump, 1);
+      bad[v] = check(layout[v]);
+    });
     const double bytes = (double)tokens * TOPK * ROW_B;
     const int reps = 21;
     const bool with_c = std::getenv("GATHER_BW_NO_TMA") == nullptr;  // C is slow (~15 ms a run)
-    float t[6][2];
+    auto line = [&](int round, const char* name, int stages, float ms, long mism) {
+      std::printf("s_kv %6d round %d %-22s stages %d: %.3f ms  %.2f TB/s  layout mismatches %ld\n", skv, round, name,
+                  stages, ms, bytes / (ms * 1e-3) / 1e12, mism);
+    };
     for (int round = 0; round < 2; ++round) {  // two interleaved rounds
-      t[0][0] = run<0, 2>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[1][0] = run<1, 2>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[2][0] = with_c ? run<2, 2>(tm, kv, idx, tokens, sms, nullptr, reps) : 0.f;
-      t[3][0] = run<3, 2>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[4][0] = run<4, 2>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[5][0] = with_c ? run<5, 2>(tm, kv, idx, tokens, sms, nullptr, reps) : 0.f;
-      t[0][1] = run<0, 3>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[1][1] = run<1, 3>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[2][1] = with_c ? run<2, 3>(tm, kv, idx, tokens, sms, nullptr, reps) : 0.f;
-      t[3][1] = run<3, 3>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[4][1] = run<4, 3>(tm, kv, idx, tokens, sms, nullptr, reps);
-      t[5][1] = with_c ? run<5, 3>(tm, kv, idx, tokens, sms, nullptr, reps) : 0.f;
+      float t[6][2] = {};
+      for (int ns = 0; ns < 2; ++ns)
+        each([&](auto v) {
+          constexpr int V = decltype(v)::value;
+          if (V == 6 || ((V == 2 || V == 5) && !with_c)) return;
+          t[V][ns] = ns == 0 ? run<V, 2>(tm, kv, idx, tokens, sms, nullptr, reps)
+                             : run<V, 3>(tm, kv, idx, tokens, sms, nullptr, reps);
+        });
       for (int v = 0; v < 6; ++v)
         for (int ns = 0; ns < 2; ++ns)
-          if (t[v][ns] > 0.f)
-            std::printf("s_kv %6d round %d %-22s stages %d: %.3f ms  %.2f TB/s  layout mismatches %ld\n", skv, round,
-                      names[v], ns + 2, t[v][ns], bytes / (t[v][ns] * 1e-3) / 1e12, bad[v]);
+          if (t[v][ns] > 0.f) line(round, names[v], ns + 2, t[v][ns], bad[v]);
       // the kernels' exact copy, and one CTA per token
-      const float ap = run<6, 2>(tm, kv, idx, tokens, sms, nullptr, reps);
-      const float a_tok = run<3, 2>(tm, kv, idx, tokens, tokens, nullptr, reps);
-      const float ap_tok = run<6, 2>(tm, kv, idx, tokens, tokens, nullptr, reps);
-      const char* nm[3] = {"AP ldgsts+policy", "A grid=tokens", "AP grid=tokens"};
-      const float tv[3] = {ap, a_tok, ap_tok};
-      for (int v = 0; v < 3; ++v)
-        std::printf("s_kv %6d round %d %-22s stages 2: %.3f ms  %.2f TB/s  layout mismatches %ld\n", skv, round,
-                    nm[v], tv[v], bytes / (tv[v] * 1e-3) / 1e12, bad[6]);
+      line(round, names[6], 2, run<6, 2>(tm, kv, idx, tokens, sms, nullptr, reps), bad[6]);
+      line(round, "A grid=tokens", 2, run<3, 2>(tm, kv, idx, tokens, tokens, nullptr, reps), bad[3]);
+      line(round, "AP grid=tokens", 2, run<6, 2>(tm, kv, idx, tokens, tokens, nullptr, reps), bad[6]);
     }
     CK(cudaFree(kv));
     CK(cudaFree(idx));
