@@ -194,8 +194,8 @@ def test_backend_for_reports_kernel(gpu_like):
 
 
 def test_attn_dist_ctas_env(monkeypatch):
-    """The sm90 attention distribution's grid: unset or 'auto' -- the SM count in heads mode with
-    more items than SMs, else one CTA per item; '0' -- one CTA per item; N -- at most N CTAs;
+    """The sm90 attention distribution's grid: unset or 'auto' -- the SM count with more items than
+    SMs (tokens mode: only with Q through the ring), else one CTA per item; '0' -- one CTA per item; N -- at most N CTAs;
     garbage is a clear error.  MLA_KERNELS_ATTN_DIST_QVEC: unset or 1 -- 16-byte Q loads, 0 --
     4-byte loads, anything else an error."""
     pytest.importorskip("cutlass", reason="the sm90 backend module imports the CuTe DSL")
@@ -205,7 +205,12 @@ def test_attn_dist_ctas_env(monkeypatch):
     monkeypatch.delenv("MLA_KERNELS_ATTN_DIST_CTAS", raising=False)
     n_sm = attn_dist_ctas(cpu, 128, 1 << 20)
     assert n_sm > 0  # the default: heads mode, more items than SMs -> one CTA per SM
-    assert attn_dist_ctas(cpu, 64, 1 << 20) == 0  # tokens mode: one CTA per item
+    assert attn_dist_ctas(cpu, 64, 1 << 20) == n_sm  # tokens mode with Q through the ring: persistent too
+    assert attn_dist_ctas(cpu, 64, n_sm) == 0 and attn_dist_ctas(cpu, 192, n_sm // 3 + 1) == n_sm
+    monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_QRING", "0")
+    assert attn_dist_ctas(cpu, 64, 1 << 20) == 0  # tokens mode, Q from global memory: one CTA per item
+    assert attn_dist_ctas(cpu, 128, 1 << 20) == n_sm
+    monkeypatch.delenv("MLA_KERNELS_ATTN_DIST_QRING")
     monkeypatch.setenv("MLA_KERNELS_ATTN_DIST_CTAS", "0")
     assert attn_dist_ctas(cpu, 128, 1 << 20) == 0
     for env, want in (("0", 0), ("7", 7), (" 132 ", 132)):
@@ -220,7 +225,7 @@ def test_attn_dist_ctas_env(monkeypatch):
     assert n_sm > 0  # heads mode, more items than SMs: persistent, one CTA per SM
     assert attn_dist_ctas(cpu, 256, n_sm // 2 + 1) == n_sm  # two head groups per token
     assert attn_dist_ctas(cpu, 128, n_sm) == 0  # no more items than SMs: one CTA per item
-    assert attn_dist_ctas(cpu, 64, 1 << 20) == 0 and attn_dist_ctas(cpu, 192, 1 << 20) == 0  # tokens mode
+    assert attn_dist_ctas(cpu, 64, 1 << 20) == n_sm and attn_dist_ctas(cpu, 192, 1 << 20) == n_sm  # tokens mode
 
     from mla_kernels.sm90 import attn_dist_q_vec
 

@@ -33,6 +33,20 @@ def test_groups_cover_every_dispatchable_option():
     assert any(not g.sink and ("bwd_asum" in g.ops or "bwd_det_asum" in g.ops) for g in gs)
 
 
+def test_ops_filter_keeps_the_named_ops():
+    g = sanitize.GROUP_BY_NAME["A"]
+    assert sanitize.only_ops(g, "") is g
+    kept = sanitize.only_ops(g, "attn_dist,attn_dist_persist,bogus")
+    assert kept.ops == ("attn_dist", "attn_dist_persist") and kept.d_qk == g.d_qk and kept.h_q == g.h_q
+    assert sanitize.only_ops(sanitize.GROUP_BY_NAME["F"], "attn_dist").ops == ()
+
+
+def test_workload_without_the_forward_takes_the_reference_lse():
+    """``--ops`` without ``fwd``: the attn_dist steps run on the reference's lse (CPU, reference backend)."""
+    g = sanitize.only_ops(sanitize.GROUP_BY_NAME["E"], "attn_dist,attn_dist_persist")
+    assert sanitize.run_workload(g, device="cpu", backend="reference") == 0
+
+
 LOG = """========= COMPUTE-SANITIZER
 @@SANITIZE BEGIN fwd           d576 h128
 ========= Program hit CUDA_ERROR_INVALID_VALUE (error 1) due to "invalid argument" on CUDA API call to cuGetProcAddress_v2.

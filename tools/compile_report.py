@@ -68,6 +68,8 @@ def kernels_for(arch):
             ("sm90_attn_dist_d576_h128_heads_persist_qring",
              lambda a, **kw: compile_attn_dist(576, 128, False, False, a, ctas=132, q_ring=True, **kw)),
             ("sm90_attn_dist_d576_h64_tokens_norm", lambda a, **kw: compile_attn_dist(576, 64, True, True, a, **kw)),
+            ("sm90_attn_dist_d576_h64_tokens_persist_qring",
+             lambda a, **kw: compile_attn_dist(576, 64, False, False, a, ctas=132, q_ring=True, **kw)),
             ("sm90_attn_dist_d512_h128_heads", lambda a, **kw: compile_attn_dist(512, 128, False, False, a, **kw)),
             ("sm90_bwd_d576_h128", lambda a, **kw: compile_bwd(576, 128, False, arch=a, **kw)),
             ("sm90_bwd_d576_h128_topklen_asum_sink",

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 from unittest import mock
@@ -59,7 +60,8 @@ class Group:
     topk_length: bool
     sink: bool
     normalize: bool  # attn_dist's fused (or host-side) normalisation
-    # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA),
+    # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA; Q through
+    # the KV ring, the persistent grid's default in both modes),
     # attn_dist_qscalar (the same with Q by 4-byte loads from global memory), attn_dist_qglobal (the
     # same with Q by 16-byte loads from global memory instead of through the KV ring, the heads
     # mode's default), bwd, bwd_asum, bwd_det,
@@ -78,7 +80,7 @@ GROUPS = (
                                              "bwd_asum", "bwd_det_asum")),
     Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det", "bwd_dlse")),
     Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "attn_dist_qglobal", "bwd_asum", "bwd_det")),
-    Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "bwd", "bwd_det_asum")),
+    Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det_asum")),
     # the decode path (paged cache, block table, q_bias, split-top-k + lse combine, one-split
     # direct bf16 output, heads on the MMA's N side for h_q <= 32, the combine fused into the split
     # kernel: the last CTA merges; the split CTAs of a row as one cluster merging over DSMEM, float32
@@ -90,6 +92,14 @@ GROUPS = (
                                              "decode_auto_cluster8_h128", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
+#: ``--ops``: the comma-separated ops each group keeps (the sanitized processes read it from here)
+ENV_OPS = "MLA_SANITIZE_OPS"
+
+
+def only_ops(g: Group, ops: str) -> Group:
+    """``g`` keeping only the ops named in ``ops`` (comma-separated; empty: all of them)."""
+    want = {o for o in ops.split(",") if o}
+    return dataclasses.replace(g, ops=tuple(o for o in g.ops if o in want)) if want else g
 
 S_Q, S_KV, TOPK = 70, 1000, 200
 MARK = "@@SANITIZE"
@@ -202,8 +212,10 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
     want_out, _, want_lse = ref.sparse_mla_fwd_ref(q.float(), kv.float(), idx, sm_scale, 512, tl, sink)
     dout = (torch.randn(S_Q, g.h_q, 512, generator=torch.Generator().manual_seed(7)) * 0.1).to(torch.bfloat16)
 
-    fwd = step("fwd", lambda: mk.sparse_mla_fwd(qd, kvd, idxd, sm_scale, 512, tld, sinkd),
-               lambda r: [("out", r[0].float(), want_out, 1e-2), ("lse", r[2], want_lse, 1e-5)])
+    fwd = None
+    if "fwd" in g.ops:  # (with --ops leaving it out, the later ops take the reference's out / lse)
+        fwd = step("fwd", lambda: mk.sparse_mla_fwd(qd, kvd, idxd, sm_scale, 512, tld, sinkd),
+                   lambda r: [("out", r[0].float(), want_out, 1e-2), ("lse", r[2], want_lse, 1e-5)])
     out_d, lse_d = (fwd[0], fwd[2]) if fwd is not None else (want_out.to(dev, torch.bfloat16), want_lse.to(dev))
     out_c = out_d.float().cpu()
 
@@ -477,13 +489,16 @@ def main(argv=None) -> int:
     ap.add_argument("--log-dir", default="sanitize-logs", help="where each (group, tool) log is written")
     ap.add_argument("--jobs", type=int, default=6, help="sanitized processes run at once (default 6)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per sanitized process (default 900)")
+    ap.add_argument("--ops", default="",
+                    help="comma-separated op names to keep in each group (default: all; e.g. "
+                         "attn_dist,attn_dist_persist -- a group left with none is skipped)")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     ap.add_argument("--workload", metavar="GROUP", choices=sorted(GROUP_BY_NAME),
                     help="run one group in-process (what the sanitized processes execute)")
     args = ap.parse_args(argv)
 
     if args.workload:
-        return 1 if run_workload(GROUP_BY_NAME[args.workload]) else 0
+        return 1 if run_workload(only_ops(GROUP_BY_NAME[args.workload], os.environ.get(ENV_OPS, ""))) else 0
 
     tools = [t for t in args.tools.split(",") if t]
     groups = [x for x in args.groups.split(",") if x]
@@ -493,9 +508,15 @@ def main(argv=None) -> int:
     for x in groups:
         if x not in GROUP_BY_NAME:
             ap.error(f"unknown group {x!r}; choose from {', '.join(GROUP_BY_NAME)}")
+    if args.ops:
+        os.environ[ENV_OPS] = args.ops  # the sanitized processes (run_one passes the environment on)
+    picked = [only_ops(GROUP_BY_NAME[x], args.ops) for x in groups]
+    groups = [g.name for g in picked if g.ops]
+    if not groups:
+        ap.error(f"--ops {args.ops!r} leaves no op in the chosen groups")
     if args.list:
         for x in groups:
-            g = GROUP_BY_NAME[x]
+            g = only_ops(GROUP_BY_NAME[x], args.ops)
             for op in g.ops:
                 print(f"{g.name}  {config_label(g, op)}")
         return 0
@@ -513,7 +534,7 @@ def main(argv=None) -> int:
     print(f"sanitize: {san} on {torch.cuda.get_device_name()}; {len(groups)} groups x {len(tools)} tools; "
           f"logs in {args.log_dir}/", flush=True)
 
-    jobs = [(GROUP_BY_NAME[x], t) for x in groups for t in tools]
+    jobs = [(only_ops(GROUP_BY_NAME[x], args.ops), t) for x in groups for t in tools]
     bad = 0
     rows = []
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -314,8 +314,12 @@ class HalfBufferBarriers:
         """Arrive on ``ready`` once this thread's earlier cp.async copies have landed."""
         cute.arch.cp_async_mbarrier_arrive_noinc(self.ready)
 
-    def release(self) -> None:
-        cute.arch.mbarrier_arrive(self.free)
+    def release(self, count: int = 1) -> None:
+        """Arrive on ``free`` (``count`` > 1: this thread counts as that many arrivals)."""
+        if count == 1:
+            cute.arch.mbarrier_arrive(self.free)
+        else:
+            cute.arch.mbarrier_arrive(self.free, arrive_count=count)
 
 
 class PhaseSignal:

@@ -44,19 +44,22 @@ def attn_dist_ctas(device, h_q: int = 128, s_q: int = 1 << 30) -> int:
     several (token, head group) items; 0 -- one CTA per item.
 
     ``MLA_KERNELS_ATTN_DIST_CTAS`` chooses: unset or ``auto`` (the default) -- persistent with one
-    CTA per SM (a CTA fills an SM's shared memory) in ``heads`` mode when there are more items than
-    SMs, else one CTA per item (``tokens`` mode measured slower persistent); ``0`` -- one CTA per
-    item always; ``N`` -- at most N CTAs in every mode (tests use a few, so that every CTA runs many
-    items).  Measured on an H200 (docs/PERF.md): persistent +5-6% at h_q 128, -1.5..-2.6% in
-    ``tokens`` mode."""
+    CTA per SM (a CTA fills an SM's shared memory) when there are more items than SMs -- in
+    ``tokens`` mode only with Q through the KV ring (:func:`attn_dist_q_ring`), without it one CTA
+    per item --, else one CTA per item; ``0`` -- one CTA per item always; ``N`` -- at most N CTAs
+    in every mode (tests use a few, so that every CTA runs many items).  Measured on an H200
+    (docs/PERF.md): persistent +5-6% at h_q 128; in ``tokens`` mode (h_q 64, s_kv 32k) 1.077x with
+    Q through the ring, 0.977x with Q from global memory."""
     env = fastpath.knob("MLA_KERNELS_ATTN_DIST_CTAS", "").strip()
     if env in ("", "auto"):
-        if attn_dist_mode(h_q) != "heads":
+        heads = attn_dist_mode(h_q) == "heads"
+        if not heads and not attn_dist_q_ring():
             return 0
         from ..decode import device_sm_count
 
         n_sm = device_sm_count(device)
-        return n_sm if s_q * (h_q // 128) > n_sm else 0
+        items = s_q * (h_q // 128 if heads else h_q // 64)
+        return n_sm if items > n_sm else 0
     try:
         n = int(env)
     except ValueError:
@@ -78,11 +81,13 @@ def attn_dist_q_vec() -> bool:
 
 
 def attn_dist_q_ring() -> bool:
-    """Where the attention distribution's persistent ``heads``-mode grid takes each item's Q from:
+    """Where the attention distribution's persistent grid takes each item's Q from:
     ``MLA_KERNELS_ATTN_DIST_QRING`` unset or ``1`` -- the producer gathers it into the KV ring ahead
     of the item's KV blocks and the consumers load it from shared memory (the default: 1.012-1.024x
-    at h_q 128 on an H200, docs/PERF.md); ``0`` -- the consumers load it from global memory at the
-    item's start.  Bitwise the same results; other grids and modes always take the global path."""
+    at h_q 128, and what makes the persistent grid pay in ``tokens`` mode, on an H200, docs/PERF.md);
+    ``0`` -- the consumers load it from global memory at the item's start (and ``tokens`` mode
+    defaults to one CTA per item, :func:`attn_dist_ctas`).  The same values (bitwise, up to the
+    grouping of ``tokens`` mode's fused normalising total); one-item grids take the global path."""
     env = fastpath.knob("MLA_KERNELS_ATTN_DIST_QRING", "").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"MLA_KERNELS_ATTN_DIST_QRING must be 0 or 1, got {env!r}")
@@ -214,8 +219,8 @@ class Sm90Backend(CuteKernelBackend):
         if prof == "noq" and not ctas:
             prof = ""
         qvec = attn_dist_q_vec()
-        # Q through the KV ring (persistent heads mode only)
-        qring = attn_dist_q_ring() and ctas > 0 and not prof and attn_dist_mode(p.h_q) == "heads"
+        # Q through the KV ring (persistent grids only)
+        qring = attn_dist_q_ring() and ctas > 0 and not prof
         return cached(("AttnDistSm90", p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec, qring),
                       lambda: compile_attn_dist(p.d_qk, p.h_q, fused_normalize, has_tl, arch, ctas, prof, qvec,
                                                 qring))

@@ -25,14 +25,19 @@ The DSA indexer's KL target.  Work items are (query token, head group); 384 thre
 For more than one head group per token (h_q > 128) each group writes its own partial row into a
 workspace and the host sums the groups (and normalises).
 
-Persistent grid (``ctas`` > 0; the default in ``heads`` mode with more items than SMs:
-``MLA_KERNELS_ATTN_DIST_CTAS``, see ``sm90/__init__.attn_dist_ctas``): CTA ``c`` runs items
-``c, c + grid, ...``; the producer's KV ring and the partial-sum ring run on across items (their
-slots and phases follow the CTA's running block count), so the next item's first blocks are
-gathered while the consumers finish the current one.  Each consumer loads the next item's Q (and
-lse terms) at the item's start (``q_vec``, the default: 16-byte loads feeding quad shuffles) or,
-with 4-byte loads, right after its last wgmma of the current item, under that block's
-exponentials.  The Q load is ~6% of a persistent CTA's time at h_q 128 (a timing copy without it,
+Persistent grid (``ctas`` > 0; the default with more items than SMs, in ``tokens`` mode with Q
+through the ring only: ``MLA_KERNELS_ATTN_DIST_CTAS``, see ``sm90/__init__.attn_dist_ctas``): CTA
+``c`` runs items ``c, c + grid, ...``; the producer's KV ring and the partial-sum ring run on
+across items (their slots and phases follow the CTA's running block count), so the next item's
+first blocks are gathered while the consumers finish the current one.  ``q_ring`` (the default):
+the producer gathers each item's Q into the ring ahead of its KV blocks (two blocks in ``heads``
+mode, one that both warpgroups read in ``tokens`` mode -- there a slot's ``free`` counts 256
+arrivals and a KV block's warpgroup arrives with a count of 2) and the consumers ldmatrix it into
+their A registers: in ``tokens`` mode this is what makes the persistent grid pay (H200, h_q 64,
+s_kv 32k: 1.054-1.077x over one CTA per item; with Q from global memory 0.977x).  Without it
+each consumer loads the next item's Q (and lse terms) at the item's start (``q_vec``: 16-byte loads
+feeding quad shuffles) or, with 4-byte loads, right after its last wgmma of the current item,
+under that block's exponentials.  The Q load is ~6% of a persistent CTA's time at h_q 128 (a timing copy without it,
 ``profile="noq"``, is 6.5% faster); pulling the next Q into L2 a few blocks ahead did not shorten
 it (within 0.8%, docs/PERF.md).
 In ``tokens`` mode a warpgroup takes the blocks whose CTA-wide index has its parity (so that its
@@ -94,13 +99,20 @@ class AttnDistSm90:
         #: quad (36 loads and 144 shuffles per thread) instead of 144 four-byte loads, each of which
         #: touches 8 half-used sectors (the default; measured faster, docs/PERF.md)
         self.q_vec = q_vec
-        if q_ring and not (ctas > 0 and mode == "heads" and profile == ""):
-            raise ValueError("q_ring takes a persistent grid in heads mode (ctas > 0, no profile)")
-        #: persistent heads mode: the producer gathers each item's Q (two 64-head blocks, one per
-        #: consumer warpgroup) through the KV ring ahead of the item's KV blocks, and the consumers
-        #: load their A registers from shared memory (ldmatrix) instead of from global memory at
-        #: the item's start (the ~4 us per item of the ``noq`` measurement, docs/PERF.md)
+        if q_ring and not (ctas > 0 and profile == ""):
+            raise ValueError("q_ring takes a persistent grid (ctas > 0, no profile)")
+        #: persistent grid: the producer gathers each item's Q through the KV ring ahead of the
+        #: item's KV blocks (heads mode: two 64-head blocks, one per consumer warpgroup; tokens
+        #: mode: one, which both warpgroups read), and the consumers load their A registers from
+        #: shared memory (ldmatrix) instead of from global memory at the item's start (the ~4 us
+        #: per item of the ``noq`` measurement, docs/PERF.md)
         self.q_ring = q_ring
+        self.q_blocks = 2 if mode == "heads" else 1  # ring blocks of an item's Q (q_ring)
+        # a ring slot's ``free`` barrier counts 256 arrivals when both warpgroups read some of its
+        # blocks (heads mode; tokens mode's shared Q blocks with q_ring), else 128; in tokens mode
+        # with q_ring a KV block's one warpgroup arrives with a count of 2 per thread
+        self.free_count = 256 if (mode == "heads" or q_ring) else 128
+        self.kv_release = 1 if mode == "heads" else self.free_count // 128
         self.n_k_tiles = d_qk // 64
         self.nb = 3  # KV ring depth
         self.heads_per_cta = 2 * B_H if mode == "heads" else B_H
@@ -179,12 +191,11 @@ class AttnDistSm90:
         n_items = mQ.shape[0] * n_groups
         grp = bidx % n_groups  # the item of a one-item CTA
         s_idx = bidx // n_groups
-        heads_mode = const_expr(self.mode == "heads")
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar = storage.mbar.data_ptr()
-        n_consumers = 256 if heads_mode else 128
+        n_consumers = self.free_count
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for b in cutlass.range_constexpr(self.nb):
@@ -281,11 +292,12 @@ class AttnDistSm90:
                    buf_elems: cutlass.Constexpr, s_idx: Int32, grp: Int32, g0, idx_in_wg: Int32, warp_in_wg: Int32,
                    policy: Int64) -> Int32:
         """``q_ring``: item (``s_idx``, ``grp``)'s Q into the ring as the CTA's blocks ``g0`` (heads
-        0..63 of the group: WG0's) and ``g0 + 1`` (64..127: WG1's), in the KV blocks' tile layout;
-        returns 2.  The validity words are written (never read) so that ``ready`` gets its two
-        mask-writer arrivals as for a KV block."""
+        0..63 of the group: WG0's, in tokens mode both warpgroups') and, in heads mode, ``g0 + 1``
+        (64..127: WG1's), in the KV blocks' tile layout; returns the blocks (2 / 1).  The validity
+        words are written (never read) so that ``ready`` gets its two mask-writer arrivals as for a
+        KV block."""
         row_bytes = self.d_qk * 2
-        for w in cutlass.range_constexpr(2):
+        for w in cutlass.range_constexpr(self.q_blocks):
             g = g0 + w
             slot = g % self.nb
             bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
@@ -299,7 +311,7 @@ class AttnDistSm90:
                 if idx_in_wg % 32 == 0:
                     sValid[2 * slot + warp_in_wg] = Uint32(0xFFFFFFFF)
                     cute.arch.mbarrier_arrive(bars.ready)
-        return Int32(2)
+        return Int32(self.q_blocks)
 
     @cute.jit
     def _topk_len(self, mIdx: cute.Tensor, mTopkLen: cute.Tensor, s_idx: Int32) -> Int32:
@@ -364,7 +376,7 @@ class AttnDistSm90:
                     nlse0, nlse1 = self._q_from_ring(thr, mLse, tSrQ, sK_layout, sK_base, mbar, g0, i_tok, i_grp,
                                                      wg, idx_in_wg, head_off, row0, row1)
                     q_item = item
-                    g0 = g0 + 2
+                    g0 = g0 + self.q_blocks
                 else:
                     need_q = q_item != item
                     if const_expr(self.profile == "noq"):
@@ -430,7 +442,7 @@ class AttnDistSm90:
                 slot = g % self.nb
                 bars = dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1)
                 bars.wait_ready((g // self.nb) & 1)
-                bars.release()
+                bars.release(self.kv_release)
             return n_mine, q_item, nlse0, nlse1
         for i in cutlass.range(n_mine, unroll=1):
             b = first + i * stride
@@ -456,7 +468,7 @@ class AttnDistSm90:
             cute.nvgpu.warpgroup.wait_group(0)
             lo = sValid[2 * slot] >> Uint32(2 * lane_quad)
             hi = sValid[2 * slot + 1] >> Uint32(2 * lane_quad)
-            bars.release()
+            bars.release(self.kv_release)
             # (q_vec: the loads feed shuffles right away -- no latency to hide, and the early copy
             # spills: the next item's Q is loaded at its start instead)
             if const_expr(persistent and self.profile != "noq" and not self.q_vec and not self.q_ring):
@@ -537,15 +549,22 @@ class AttnDistSm90:
     def _q_from_ring(self, thr, mLse: cute.Tensor, tSrQ: cute.Tensor, sK_layout: cute.ComposedLayout,
                      sK_base: cute.Pointer, mbar: cute.Pointer, g0, s_idx: Int32, grp: Int32, wg: Int32,
                      idx_in_wg: Int32, head_off: int, row0: Int32, row1: Int32):
-        """``q_ring``: this warpgroup's Q from ring block ``g0 + wg`` into the A registers (ldmatrix),
-        then both Q blocks freed; returns the ``-lse log2(e)`` terms.  Each warpgroup waits for
-        *both* blocks before it frees them: a free arrival must not land in the slot's previous
-        phase (the other warpgroup may still be reading the previous item's block there)."""
-        for w in cutlass.range_constexpr(2):
+        """``q_ring``: this warpgroup's Q from ring block ``g0 + wg`` (tokens mode: ``g0``, shared)
+        into the A registers (ldmatrix), then the item's Q blocks freed; returns the ``-lse
+        log2(e)`` terms.  Heads mode: each warpgroup waits for *both* blocks before it frees them
+        (every consumer thread arrives on both): a free arrival must not land in the slot's
+        previous phase (the other warpgroup may still be reading the previous item's block
+        there).  Tokens mode: every consumer thread of both warpgroups frees the shared block once
+        (the slots count 256 arrivals; a KV block's one warpgroup arrives with a count of 2); the
+        slot's previous use had all its arrivals before the producer refilled it for this Q."""
+        heads_mode = const_expr(self.mode == "heads")
+        for w in cutlass.range_constexpr(self.q_blocks):
             g = g0 + w
             slot = g % self.nb
             dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1).wait_ready((g // self.nb) & 1)
-        mine = (g0 + wg) % self.nb
+        mine = g0 % self.nb
+        if const_expr(heads_mode):
+            mine = (g0 + wg) % self.nb
         sQ = cute.make_tensor(
             cute.recast_ptr((sK_base + mine * cute.cosize(sK_layout)).align(1024), sK_layout.inner),
             sK_layout.outer,
@@ -553,7 +572,7 @@ class AttnDistSm90:
         ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
         thr_ld = cute.make_tiled_copy_A(ld_atom, self._mma()).get_slice(idx_in_wg)
         cute.copy(thr_ld, thr_ld.partition_S(sQ), thr_ld.retile(tSrQ))
-        for w in cutlass.range_constexpr(2):
+        for w in cutlass.range_constexpr(self.q_blocks):
             slot = (g0 + w) % self.nb
             dev.HalfBufferBarriers(mbar + 2 * slot, mbar + 2 * slot + 1).release()
         head0 = grp * self.heads_per_cta + head_off
