@@ -29,7 +29,8 @@ def sm90_report():
     return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads",
                                       "sm90_attn_dist_d576_h128_heads_persist",
                                       "sm90_attn_dist_d576_h128_heads_persist_qscalar",
-                                      "sm90_attn_dist_d576_h128_heads_persist_qring", "sm90_bwd_d576_h128",
+                                      "sm90_attn_dist_d576_h128_heads_persist_qring",
+                                      "sm90_attn_dist_d576_h64_tokens_persist_qring", "sm90_bwd_d576_h128",
                                       "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64", "probe"})
 
 
@@ -72,6 +73,19 @@ def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report, name):
     # heads mode (issue 14): the warpgroups hand partials over through mbarriers, no named
     # barrier per block -- the only bar.sync left is the launch's __syncthreads
     assert [b["id"] for b in r["barriers"] if b["op"] == "SYNC"] == [0]
+
+
+def test_sm90_attn_dist_tokens_persistent_q_ring_compiles(sm90_report):
+    """Tokens mode's persistent grid with Q through the KV ring (the h_q 64 default with more items
+    than SMs): no spills, the 36 QK wgmma of a block, the KV copies (9 tiles x 4 rows) plus the Q
+    block's (the same count), the Q loaded by ldmatrix."""
+    r = sm90_report["sm90_attn_dist_d576_h64_tokens_persist_qring"]
+    assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
+    if r["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    base = r["sass_base"]
+    assert base.get("HGMMA", 0) == 36 and base.get("LDGSTS", 0) == 72 and base.get("LDSM", 0) > 0
+    assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
 
 
 @pytest.mark.parametrize("name", ["sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64"])
