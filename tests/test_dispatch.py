@@ -195,8 +195,8 @@ def test_backend_for_reports_kernel(gpu_like):
 
 def test_attn_dist_ctas_env(monkeypatch):
     """The sm90 attention distribution's grid: unset or 'auto' -- the SM count with more items than
-    SMs (tokens mode: only with Q through the ring), else one CTA per item; '0' -- one CTA per item; N -- at most N CTAs;
-    garbage is a clear error.  MLA_KERNELS_ATTN_DIST_QVEC: unset or 1 -- 16-byte Q loads, 0 --
+    SMs (tokens mode: only with Q through the ring), else one CTA per item; '0' -- one CTA per item;
+    N -- at most N CTAs; garbage is a clear error.  MLA_KERNELS_ATTN_DIST_QVEC: unset or 1 -- 16-byte Q loads, 0 --
     4-byte loads, anything else an error."""
     pytest.importorskip("cutlass", reason="the sm90 backend module imports the CuTe DSL")
     from mla_kernels.sm90 import attn_dist_ctas

@@ -28,7 +28,8 @@ class _Stages:
     def __init__(self):
         from mla_kernels import api, dispatch, sm90
         from mla_kernels.common import bwd_host, fastpath, host, kernel_backend, order_host
-        self.targets = [(api, "_fast_key"), (fastpath, "lookup"), (api, "check_inputs"), (api, "make_problem"), (api, "_fwd_through_decode"),
+        self.targets = [(api, "_fast_key"), (fastpath, "lookup"), (api, "check_inputs"), (api, "make_problem"),
+                        (api, "_fwd_through_decode"),
                         (api, "_pad_topk"), (api, "_lse_for"), (dispatch, "select"), (host, "alloc"),
                         (kernel_backend.CuteKernelBackend, "fwd"), (kernel_backend.CuteKernelBackend, "attn_dist"),
                         (kernel_backend.CuteKernelBackend, "bwd"), (sm90.Sm90Backend, "fwd_kernel"),

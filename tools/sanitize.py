@@ -39,8 +39,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 from unittest import mock
 
@@ -63,8 +62,8 @@ class Group:
     # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA; Q through
     # the KV ring, the persistent grid's default in both modes),
     # attn_dist_qscalar (the same with Q by 4-byte loads from global memory), attn_dist_qglobal (the
-    # same with Q by 16-byte loads from global memory instead of through the KV ring, the heads
-    # mode's default), bwd, bwd_asum, bwd_det,
+    # same with Q by 16-byte loads from global memory instead of through the KV ring), bwd,
+    # bwd_asum, bwd_det,
     # bwd_det_asum, bwd_dlse
     ops: Tuple[str, ...]
 
@@ -99,7 +98,7 @@ ENV_OPS = "MLA_SANITIZE_OPS"
 def only_ops(g: Group, ops: str) -> Group:
     """``g`` keeping only the ops named in ``ops`` (comma-separated; empty: all of them)."""
     want = {o for o in ops.split(",") if o}
-    return dataclasses.replace(g, ops=tuple(o for o in g.ops if o in want)) if want else g
+    return replace(g, ops=tuple(o for o in g.ops if o in want)) if want else g
 
 S_Q, S_KV, TOPK = 70, 1000, 200
 MARK = "@@SANITIZE"
@@ -510,13 +509,11 @@ def main(argv=None) -> int:
             ap.error(f"unknown group {x!r}; choose from {', '.join(GROUP_BY_NAME)}")
     if args.ops:
         os.environ[ENV_OPS] = args.ops  # the sanitized processes (run_one passes the environment on)
-    picked = [only_ops(GROUP_BY_NAME[x], args.ops) for x in groups]
-    groups = [g.name for g in picked if g.ops]
-    if not groups:
+    picked = [g for g in (only_ops(GROUP_BY_NAME[x], args.ops) for x in groups) if g.ops]
+    if not picked:
         ap.error(f"--ops {args.ops!r} leaves no op in the chosen groups")
     if args.list:
-        for x in groups:
-            g = only_ops(GROUP_BY_NAME[x], args.ops)
+        for g in picked:
             for op in g.ops:
                 print(f"{g.name}  {config_label(g, op)}")
         return 0
@@ -531,10 +528,10 @@ def main(argv=None) -> int:
         print("sanitize: compute-sanitizer not found (PATH, /usr/local/cuda*/bin)")
         return 2
     os.makedirs(args.log_dir, exist_ok=True)
-    print(f"sanitize: {san} on {torch.cuda.get_device_name()}; {len(groups)} groups x {len(tools)} tools; "
+    print(f"sanitize: {san} on {torch.cuda.get_device_name()}; {len(picked)} groups x {len(tools)} tools; "
           f"logs in {args.log_dir}/", flush=True)
 
-    jobs = [(only_ops(GROUP_BY_NAME[x], args.ops), t) for x in groups for t in tools]
+    jobs = [(g, t) for g in picked for t in tools]
     bad = 0
     rows = []
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -5,7 +5,6 @@ is imported only to compile."""
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import _compile

@@ -37,9 +37,9 @@ their A registers: in ``tokens`` mode this is what makes the persistent grid pay
 s_kv 32k: 1.054-1.077x over one CTA per item; with Q from global memory 0.977x).  Without it
 each consumer loads the next item's Q (and lse terms) at the item's start (``q_vec``: 16-byte loads
 feeding quad shuffles) or, with 4-byte loads, right after its last wgmma of the current item,
-under that block's exponentials.  The Q load is ~6% of a persistent CTA's time at h_q 128 (a timing copy without it,
-``profile="noq"``, is 6.5% faster); pulling the next Q into L2 a few blocks ahead did not shorten
-it (within 0.8%, docs/PERF.md).
+under that block's exponentials.  The Q load is ~6% of a persistent CTA's time at h_q 128 (a
+timing copy without it, ``profile="noq"``, is 6.5% faster); pulling the next Q into L2 a few
+blocks ahead did not shorten it (within 0.8%, docs/PERF.md).
 In ``tokens`` mode a warpgroup takes the blocks whose CTA-wide index has its parity (so that its
 consecutive blocks stay two apart in the ring across items: the parity waits stay unambiguous).
 ``ctas`` = 0: one CTA per item, straight-line (no item loop).  docs/PERF.md has the measurements.
@@ -195,12 +195,11 @@ class AttnDistSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar = storage.mbar.data_ptr()
-        n_consumers = self.free_count
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for b in cutlass.range_constexpr(self.nb):
                     # ready: 128 cp.async arrivals + 2 mask-writer arrivals; free: the consumers
-                    dev.HalfBufferBarriers.init(mbar + 2 * b, mbar + 2 * b + 1, 128 + 2, n_consumers)
+                    dev.HalfBufferBarriers.init(mbar + 2 * b, mbar + 2 * b + 1, 128 + 2, self.free_count)
                 for p in cutlass.range_constexpr(2):
                     # heads mode's partials ring slot p: full (every consumer thread arrives after its
                     # writes), empty (every WG0 thread arrives after the combine read the slot)

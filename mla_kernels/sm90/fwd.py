@@ -286,13 +286,13 @@ class SparseMlaFwdSm90:
         gather = KvGather(mKV, mIdx, s_idx, topk_len, ptid, self.d_qk, slots=2)
         sK0_addr = dev.smem_addr_u32(sK0_ptr)
         sK1_addr = dev.smem_addr_u32(sK1_ptr)
-        self._producer_loop(gather, mIdx, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid,
-                            s_idx, topk_len, num_iters, ptid, warp_in_wg)
+        self._producer_loop(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, num_iters, ptid,
+                            warp_in_wg)
 
     @cute.jit
-    def _producer_loop(self, gather, mIdx, sK0_addr, sK1_addr, sValid, k0l: cutlass.Constexpr,
+    def _producer_loop(self, gather, sK0_addr, sK1_addr, sValid, k0l: cutlass.Constexpr,
                        k0r: cutlass.Constexpr, k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid,
-                       s_idx: Int32, topk_len: Int32, num_iters: Int32, ptid: Int32, warp_in_wg: Int32):
+                       num_iters: Int32, ptid: Int32, warp_in_wg: Int32):
         """The producer loop with the indices of iteration ``it + 1`` fetched into registers during
         iteration ``it`` (their latency hides behind the free-barrier waits), and the validity
         masks voted from registers and published once both consumers have released the pieces
