@@ -489,6 +489,23 @@ def test_pagediv_knob(monkeypatch):
         decode_host.page_div_mode()
 
 
+def test_decode_o_knob(monkeypatch):
+    """MLA_KERNELS_DECODE_O picks how the 64-head kernel's direct mode writes O when a plan is made."""
+    monkeypatch.delenv(decode_host.ENV_O_MODE, raising=False)
+    assert decode_host.DEFAULT_O_MODE == "bulk" and decode_host.decode_o_mode() == "bulk"
+    monkeypatch.setenv(decode_host.ENV_O_MODE, " regs ")
+    assert decode_host.decode_o_mode() == "regs"
+    monkeypatch.setenv(decode_host.ENV_O_MODE, "tma")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_O='tma': expected one of bulk, regs"):
+        decode_host.decode_o_mode()
+
+    class NoOption:
+        pass
+
+    with pytest.raises(ValueError, match="NoOption has no o_bulk option"):
+        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", o_bulk=True)
+
+
 def test_pagediv_compile_option_checked():
     class NoOption:
         pass

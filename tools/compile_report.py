@@ -8,7 +8,8 @@ Kernel names say the static configuration: ``<arch>_<op>_d<d_qk>_h<h_q>`` then `
 ``_sink``, ``_asum`` (attn_sum fused in the backward), ``_det`` (deterministic), ``_dlse``,
 ``_norm`` (normalised attn_dist), ``_heads``/``_tokens`` (the sm90 attn_dist mode), ``_persist`` (its
 persistent grid, compiled for 132 SMs), ``_qscalar`` (Q by 4-byte loads instead of the default
-16-byte loads and quad shuffles), ``_qring`` (Q through the KV ring, ldmatrix into registers).
+16-byte loads and quad shuffles), ``_qring`` (Q through the KV ring, ldmatrix into registers),
+``_oregs`` (decode's direct mode storing O from registers instead of bulk copies of smem-staged rows).
 
 Per kernel: ``name``, ``arch``, ``registers``, ``spill_bytes`` (stores + loads), ``stack_bytes``,
 ``smem_bytes`` (dynamic smem of the launch), ``sass`` (instruction counts by full opcode, the
@@ -82,6 +83,9 @@ def kernels_for(arch):
             ("index_order_topklen_perm_stage2048", lambda a, **kw: compile_index_order(True, True, a, stage=2048, **kw)),
             ("sm90_decode_d576_h128_split", lambda a, **kw: compile_decode(576, 128, True, a, **kw)),
             ("sm90_decode_d576_h64_direct", lambda a, **kw: compile_decode(576, 64, False, a, **kw)),
+            ("sm90_decode_d512_h128_direct", lambda a, **kw: compile_decode(512, 128, False, a, **kw)),
+            ("sm90_decode_d576_h128_direct_oregs",
+             lambda a, **kw: compile_decode(576, 128, False, a, o_bulk=False, **kw)),
             ("sm90_decode_d512_h128_fused", lambda a, **kw: compile_decode(512, 128, True, a, fused=True, **kw)),
             ("sm90_decode_d576_h128_cluster16", lambda a, **kw: compile_decode(576, 128, True, a, cluster=16, **kw)),
             ("sm90_decode_d576_h128_cluster16_l2",

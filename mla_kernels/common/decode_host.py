@@ -84,7 +84,7 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, part
 
 
 def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False,
-                          pagediv: Optional[str] = None, **kw):
+                          pagediv: Optional[str] = None, o_bulk: Optional[bool] = None, **kw):
     """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"generic"`` /
     ``"magic"``, default: the kernel's own, ``"generic"``): how its paged gather divides a position
     by the page size (:func:`page_div_mode`)."""
@@ -96,6 +96,10 @@ def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, f
         if not hasattr(kernel, "pagediv"):
             raise ValueError(f"{type(kernel).__name__} has no pagediv option")
         kernel.pagediv = pagediv
+    if o_bulk is not None:  # (None: the kernel's own default)
+        if not hasattr(kernel, "o_bulk"):
+            raise ValueError(f"{type(kernel).__name__} has no o_bulk option")
+        kernel.o_bulk = bool(o_bulk)
     parts_bf16 = split and getattr(kernel, "parts_bf16", False)
     return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
                                            **kw)
@@ -375,6 +379,25 @@ def page_div_mode() -> str:
     return v
 
 
+ENV_O_MODE = "MLA_KERNELS_DECODE_O"
+O_MODES = ("bulk", "regs")
+DEFAULT_O_MODE = "bulk"
+
+
+def decode_o_mode() -> str:
+    """How the 64-head decode kernel's direct mode (one split: bf16 ``out``) writes O, read when a
+    plan is made: ``MLA_KERNELS_DECODE_O`` = ``bulk`` (default: the rows staged in the free Q
+    smem, one 1 KB bulk copy per head row) or ``regs`` (8-byte stores from the accumulator
+    registers).  Bit for bit the same outputs; on an H200 bulk made the b 128 s_q 2 h 128 step
+    1.043x and b 128 s_q 1 h 64 1.030x faster (docs/PERF.md)."""
+    import os
+
+    v = os.environ.get(ENV_O_MODE, DEFAULT_O_MODE).strip()
+    if v not in O_MODES:
+        raise ValueError(f"{ENV_O_MODE}={v!r}: expected one of {', '.join(O_MODES)}")
+    return v
+
+
 #: the largest divisor / dividend :func:`page_divisor`'s constants serve (the kernels' int32 range)
 PAGEDIV_MAX = 2**31 - 1
 
@@ -465,6 +488,11 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     if pagediv != DEFAULT_PAGEDIV:  # (the default kernels keep their cache keys)
         kw["pagediv"] = pagediv
     pd_key = () if pagediv == DEFAULT_PAGEDIV else (pagediv,)
+    o_mode = decode_o_mode()
+    plan.state["o_mode"] = o_mode
+    if plan.h_q not in NARROW_HEADS and o_mode != DEFAULT_O_MODE:  # (the default keeps its cache key)
+        kw["o_bulk"] = o_mode == "bulk"
+        pd_key = pd_key + (o_mode,)
     if plan.h_q in NARROW_HEADS:
         kern = _compile.cached_compile(
             ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch) + pd_key,

@@ -18,7 +18,9 @@ producer gathering KV rows with 16-byte ``cp.async`` in halves.  What differs fr
 * the producer gathers through :class:`~mla_kernels.common.decode_parts.PagedKvGather` (physical
   ids, or logical positions translated through the block table) and only the split's blocks; the
   padding block of an odd pair is masked at the split's end;
-* the epilogue stores O from registers with 16-byte (float32) or 8-byte (bf16) vector stores.
+* the epilogue stores O from registers with 16-byte (float32) vector stores (split mode), or in
+  direct mode stages the bf16 rows in Q's free smem and writes each head's row by one 1 KB bulk
+  copy (``o_bulk``, the default; 8-byte stores from registers otherwise).
 
 Runtime flags (``common/decode_parts.F_*``) switch q_bias, the block table, topk_length, the
 sink and max_logits without a recompile; static: ``d_qk``, ``h_q`` (through the fake tensors)
@@ -46,6 +48,7 @@ BAR_S0_READY = 3
 BAR_S1_READY = 4
 BAR_L_READY = 5
 BAR_Q_READY = 6  # Q (+ bias) stored by the consumers
+BAR_O_STAGED = 7  # ``o_bulk``: the bf16 output rows are staged in smem (256 threads)
 
 
 class SparseMlaDecodeSm90(dd.DecodeContract):
@@ -83,6 +86,11 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # or "magic" (multiply-high + shift by the host's constants, the page_mul / page_shift
         # arguments); set by decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_PAGEDIV)
         self.pagediv = "generic"
+        # direct mode: how O leaves -- True (default): staged as bf16 rows in the free Q smem, one
+        # 1 KB bulk copy per head row (H200: 1.03-1.05x faster steps at b 64 / 128, docs/PERF.md);
+        # False: 8-byte stores from the accumulator registers; set by
+        # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_O)
+        self.o_bulk = True
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -389,7 +397,30 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
 
         odd = (lane_quad % 2) == 1
         col0 = wg * (self.d_v // 2) + 4 * (lane_quad // 2)
-        if const_expr(self.cluster_dsmem):
+        if const_expr(self.o_bulk and not self.split):
+            # direct mode: the Q / KV buffers are free (both WGs passed BAR_L_READY after their
+            # last wgmma; the producer is done): bf16 rows staged 16-byte padded (bank-conflict
+            # free), then each of 64 threads bulk-copies one head row (1 KB, contiguous in out)
+            my_row = Int32(cutlass.select_(odd, row1, row0))
+            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
+                cm.stage_o_v4(x_addr, my_row, col0 + 8 * g, v0, v1, v2, v3, self.d_v, True)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_O_STAGED, number_of_threads=256)
+            n_tok = n_tokens_of(mLse, self.split)
+            tid = wg * 128 + idx_in_wg
+            if tid < B_H:
+                off = dp.out_row_offset(split, n_tok, token, h_q, h_blk * B_H + tid, self.d_v)
+                dev.bulk_copy_s2g(dev.gmem_addr_i64(mO.iterator) + off * 2,
+                                  x_addr + tid * cm.row_stride_bytes(self.d_v, True), Int32(self.d_v * 2))
+                cute.arch.cp_async_bulk_commit_group()
+            if wg == 1:
+                if lane_quad == 0:
+                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head0), l0, rM[0], flags)
+                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head1), l1, rM[1], flags)
+            if tid < B_H:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the staged rows are read before exit
+        elif const_expr(self.cluster_dsmem):
             # the Q / KV buffers are free: both WGs passed BAR_L_READY after their last wgmma
             my_row = Int32(cutlass.select_(odd, row1, row0))
             for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
