@@ -31,7 +31,8 @@ def sm90_report():
                                       "sm90_attn_dist_d576_h128_heads_persist_qscalar",
                                       "sm90_attn_dist_d576_h128_heads_persist_qring",
                                       "sm90_attn_dist_d576_h64_tokens_persist_qring", "sm90_bwd_d576_h128",
-                                      "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64", "probe"})
+                                      "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64", "sm90_decode_d512_h128_direct",
+                                      "probe"})
 
 
 def test_compile_report_writes_its_records_as_json(tmp_path):
@@ -73,6 +74,18 @@ def test_sm90_attn_dist_compiles_with_hgmma_and_no_spills(sm90_report, name):
     # heads mode (issue 14): the warpgroups hand partials over through mbarriers, no named
     # barrier per block -- the only bar.sync left is the launch's __syncthreads
     assert [b["id"] for b in r["barriers"] if b["op"] == "SYNC"] == [0]
+
+
+def test_sm90_decode_direct_writes_o_by_bulk_copies(sm90_report):
+    """The 64-head decode kernel's direct mode (issue 16) stages O in smem and writes each head row
+    by one bulk copy: no 8-byte register stores of O are left (only the 4-byte lse / max_logits
+    stores), one bulk copy site, the staging barrier (id 7) synced at one address, no spills."""
+    r = sm90_report["sm90_decode_d512_h128_direct"]
+    assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
+    if r["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    assert r["sass"].get("UBLKCP.G.S", 0) == 1 and r["sass"].get("STG.E.64", 0) == 0
+    assert [b["op"] for b in r["barriers"] if b["id"] == 7] == ["SYNC"]
 
 
 def test_sm90_attn_dist_tokens_persistent_q_ring_compiles(sm90_report):
