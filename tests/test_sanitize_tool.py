@@ -25,7 +25,8 @@ def test_groups_cover_every_dispatchable_option():
                    "bwd_det",
                    "bwd_det_asum", "bwd_dlse",
                    "decode_split_h128", "decode_direct_h64", "decode_direct_h64_obulk",
-                   "decode_direct_h128_d512_obulk", "decode_narrow_split_h16",
+                   "decode_direct_h128_d512_obulk", "decode_direct_h64_oregs", "decode_split_h128_d512",
+                   "decode_narrow_split_h16",
                    "decode_narrow_direct_h32_d512", "decode_fused_h128", "decode_narrow_fused_h16",
                    "decode_cluster4_h128", "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2",
                    "decode_auto_cluster8_h128", "merge"}

@@ -264,25 +264,31 @@ def test_decode_page_division_magic_is_bitwise_generic(h, b, s_q, topk, page_siz
     check(o1, l1, want_of(c, sc, with_ml=True), c, ml=m1)
 
 
-@pytest.mark.parametrize("h,b,s_q,d,block_table", [
-    (64, 140, 1, 576, True),  # direct: the b 128 h 64 kernel, positions through a block table
-    (128, 67, 2, 576, False),  # direct h 128, physical ids
-    (128, 70, 1, 512, True),  # d_qk 512: the staged rows run past Q's smem into KV buffer 0
+@pytest.mark.parametrize("h,b,s_q,d,block_table,splits,parts", [
+    (64, 140, 1, 576, True, 1, "f32"),  # direct: the b 128 h 64 kernel, positions through a block table
+    (128, 67, 2, 576, False, 1, "f32"),  # direct h 128, physical ids
+    (128, 70, 1, 512, True, 1, "f32"),  # d_qk 512: the staged rows run past Q's smem into KV buffer 0
+    (128, 5, 1, 576, True, 4, "f32"),  # split + the combine kernel: the knob leaves the partials' stores
+    (64, 6, 2, 512, True, 3, "bf16"),  # split, bf16 partials, d_qk 512 (likewise)
 ])
-def test_decode_o_bulk_is_bitwise_regs(h, b, s_q, d, block_table, monkeypatch):
-    """Direct mode with O staged in smem and written by one bulk copy per head row
-    (MLA_KERNELS_DECODE_O=bulk) gives bit for bit the outputs of the 8-byte register stores (the
-    default), with topk_length, sink, bias, max_logits, invalid / duplicate slots and an empty row,
-    and both match the reference; outputs are poisoned before each call."""
+def test_decode_o_bulk_is_bitwise_regs(h, b, s_q, d, block_table, splits, parts, monkeypatch):
+    """O of direct mode staged in smem and written by one bulk copy per head row
+    (MLA_KERNELS_DECODE_O=bulk, the default) gives bit for bit the outputs of the register stores
+    (regs; split mode's partials are register stores either way), with topk_length, sink, bias, max_logits, invalid /
+    duplicate slots and an empty row, and both match the reference; outputs and partials are
+    poisoned before each call."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_PARTS", parts)
     c = dcase(b, s_q, h, 640, d=d, block_table=block_table, tl="bs", sink=True, bias=h == 64, seed=17 * h + d)
     res = {}
     for mode in ("regs", "bulk"):
         monkeypatch.setenv("MLA_KERNELS_DECODE_O", mode)
-        plan = mk.decode_plan(b, s_q, h, 640, d_qk=d, device="cuda", with_max_logits=True)
-        assert plan.state["o_mode"] == mode and plan.num_splits == 1
+        plan = mk.decode_plan(b, s_q, h, 640, d_qk=d, device="cuda", with_max_logits=True,
+                              num_splits=None if splits == 1 else splits)
+        assert plan.state["o_mode"] == mode and plan.num_splits == splits
         plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)  # (out and lse poisoned by run)
+        out, lse, sc = run(c, plan=plan)  # (out, lse and the partials poisoned by run)
         res[mode] = (out.clone(), lse.clone(), plan.max_logits.clone())
     for a, b_ in zip(res["regs"], res["bulk"]):
         assert torch.equal(a, b_)

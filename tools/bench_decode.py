@@ -63,6 +63,8 @@ EXTRA = [
     ("v32-b4-sq1-h128", 4, 1, 128, 2048, 32768, 64),
     ("v32-b3-sq2-h128", 3, 2, 128, 2048, 32768, 64),  # 12 rows: 11 splits, or 8 in clusters of 8
     ("b28-sq1-h64", 28, 1, 64, 2048, 32768, 64),  # 28 rows: 4 splits, in clusters of 4 if they fit
+    ("v32-b16-sq1-h128", 16, 1, 128, 2048, 32768, 64),  # 32 rows: 4 splits, the combine kernel
+    ("b24-sq1-h64", 24, 1, 64, 2048, 32768, 64),  # 24 rows: 5 splits, the combine kernel
 ]
 QUICK = [
     ("quick-b2-h16", 2, 1, 16, 128, 1024, 16),

@@ -85,7 +85,8 @@ GROUPS = (
     # kernel: the last CTA merges; the split CTAs of a row as one cluster merging over DSMEM, float32
     # and bf16 staging) and merge_attn_partials
     Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_direct_h64_obulk",
-                                             "decode_direct_h128_d512_obulk", "decode_narrow_split_h16",
+                                             "decode_direct_h128_d512_obulk", "decode_direct_h64_oregs",
+                                             "decode_split_h128_d512", "decode_narrow_split_h16",
                                              "decode_narrow_direct_h32_d512", "decode_fused_h128",
                                              "decode_narrow_fused_h16", "decode_cluster4_h128",
                                              "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2",
@@ -336,10 +337,12 @@ def _decode_steps(g: Group, step, dev) -> None:
                                 ("decode_narrow_direct_h32_d512", 32, 512, 1)):
         if op in g.ops:
             run(op, h, d_qk, splits)
-    for op, h, d_qk, env in (("decode_direct_h64_obulk", 64, 576, {"MLA_KERNELS_DECODE_O": "bulk"}),
-                             ("decode_direct_h128_d512_obulk", 128, 512, {"MLA_KERNELS_DECODE_O": "bulk"})):
-        if op in g.ops:  # O staged in smem, one bulk copy per head row (d_qk 512: past Q's smem)
-            run(op, h, d_qk, 1, "separate", env)
+    for op, h, d_qk, splits, env in (("decode_direct_h64_obulk", 64, 576, 1, {"MLA_KERNELS_DECODE_O": "bulk"}),
+                                     ("decode_direct_h128_d512_obulk", 128, 512, 1, {"MLA_KERNELS_DECODE_O": "bulk"}),
+                                     ("decode_direct_h64_oregs", 64, 576, 1, {"MLA_KERNELS_DECODE_O": "regs"}),
+                                     ("decode_split_h128_d512", 128, 512, 3, {})):
+        if op in g.ops:  # direct mode's O staged in smem, one bulk copy per head row (d_qk 512: past
+            run(op, h, d_qk, splits, "separate", env)  # Q's smem), or the register stores; a d512 split
     for op, h, splits in (("decode_fused_h128", 128, 3), ("decode_narrow_fused_h16", 16, 4)):
         if op in g.ops:
             run(op, h, 576, splits, "fused")
