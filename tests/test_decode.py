@@ -478,40 +478,29 @@ def test_page_divisor_exhaustive_ranges(d):
         assert torch.equal(decode_host.page_div_emulated(n, m, sh), torch.div(n, d, rounding_mode="floor"))
 
 
-def test_pagediv_knob(monkeypatch):
-    """MLA_KERNELS_DECODE_PAGEDIV picks the kernels' division when a plan is made."""
-    monkeypatch.delenv(decode_host.ENV_PAGEDIV, raising=False)
-    assert decode_host.DEFAULT_PAGEDIV == "generic" and decode_host.page_div_mode() == "generic"
-    monkeypatch.setenv(decode_host.ENV_PAGEDIV, " magic ")
-    assert decode_host.page_div_mode() == "magic"
-    monkeypatch.setenv(decode_host.ENV_PAGEDIV, "fast")
-    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_PAGEDIV='fast': expected one of generic, magic"):
-        decode_host.page_div_mode()
+@pytest.mark.parametrize("env,read,default,other,modes", [
+    (decode_host.ENV_PAGEDIV, decode_host.page_div_mode, "generic", "magic", "generic, magic"),  # the division
+    (decode_host.ENV_O_MODE, decode_host.decode_o_mode, "bulk", "regs", "bulk, regs"),  # how direct mode writes O
+])
+def test_plan_time_knobs(env, read, default, other, modes, monkeypatch):
+    """MLA_KERNELS_DECODE_PAGEDIV / MLA_KERNELS_DECODE_O, read when a plan is made: the default
+    when unset, the other value (whitespace stripped), a clear error otherwise."""
+    monkeypatch.delenv(env, raising=False)
+    assert read() == default
+    monkeypatch.setenv(env, f" {other} ")
+    assert read() == other
+    monkeypatch.setenv(env, "fast")
+    with pytest.raises(ValueError, match=f"{env}='fast': expected one of {modes}"):
+        read()
 
 
-def test_decode_o_knob(monkeypatch):
-    """MLA_KERNELS_DECODE_O picks how the 64-head kernel's direct mode writes O when a plan is made."""
-    monkeypatch.delenv(decode_host.ENV_O_MODE, raising=False)
-    assert decode_host.DEFAULT_O_MODE == "bulk" and decode_host.decode_o_mode() == "bulk"
-    monkeypatch.setenv(decode_host.ENV_O_MODE, " regs ")
-    assert decode_host.decode_o_mode() == "regs"
-    monkeypatch.setenv(decode_host.ENV_O_MODE, "tma")
-    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_O='tma': expected one of bulk, regs"):
-        decode_host.decode_o_mode()
-
+@pytest.mark.parametrize("kw,opt", [({"pagediv": "magic"}, "pagediv"), ({"o_bulk": True}, "o_bulk")])
+def test_compile_options_checked(kw, opt):
     class NoOption:
         pass
 
-    with pytest.raises(ValueError, match="NoOption has no o_bulk option"):
-        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", o_bulk=True)
-
-
-def test_pagediv_compile_option_checked():
-    class NoOption:
-        pass
-
-    with pytest.raises(ValueError, match="NoOption has no pagediv option"):
-        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="magic")
+    with pytest.raises(ValueError, match=f"NoOption has no {opt} option"):
+        decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", **kw)
     with pytest.raises(ValueError, match="pagediv='fast': expected one of generic, magic"):
         decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="fast")
 

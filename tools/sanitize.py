@@ -84,8 +84,8 @@ GROUPS = (
     # direct bf16 output, heads on the MMA's N side for h_q <= 32, the combine fused into the split
     # kernel: the last CTA merges; the split CTAs of a row as one cluster merging over DSMEM, float32
     # and bf16 staging) and merge_attn_partials
-    Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_direct_h64_obulk",
-                                             "decode_direct_h128_d512_obulk", "decode_direct_h64_oregs",
+    Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_direct_h128_d512",
+                                             "decode_direct_h64_oregs",
                                              "decode_split_h128_d512", "decode_narrow_split_h16",
                                              "decode_narrow_direct_h32_d512", "decode_fused_h128",
                                              "decode_narrow_fused_h16", "decode_cluster4_h128",
@@ -332,17 +332,16 @@ def _decode_steps(g: Group, step, dev) -> None:
 
         step(op, call, lambda r: [("out", r[0].float(), w_out, 1e-2), ("lse", r[1], w_lse, 1e-5)])
 
-    for op, h, d_qk, splits in (("decode_split_h128", 128, 576, 3), ("decode_direct_h64", 64, 576, 1),
-                                ("decode_narrow_split_h16", 16, 576, 2),
-                                ("decode_narrow_direct_h32_d512", 32, 512, 1)):
-        if op in g.ops:
-            run(op, h, d_qk, splits)
-    for op, h, d_qk, splits, env in (("decode_direct_h64_obulk", 64, 576, 1, {"MLA_KERNELS_DECODE_O": "bulk"}),
-                                     ("decode_direct_h128_d512_obulk", 128, 512, 1, {"MLA_KERNELS_DECODE_O": "bulk"}),
+    # (direct mode writes O by bulk copies of smem-staged rows -- at d_qk 512 past Q's smem -- unless
+    # MLA_KERNELS_DECODE_O=regs)
+    for op, h, d_qk, splits, env in (("decode_split_h128", 128, 576, 3, {}), ("decode_direct_h64", 64, 576, 1, {}),
+                                     ("decode_narrow_split_h16", 16, 576, 2, {}),
+                                     ("decode_narrow_direct_h32_d512", 32, 512, 1, {}),
+                                     ("decode_direct_h128_d512", 128, 512, 1, {}),
                                      ("decode_direct_h64_oregs", 64, 576, 1, {"MLA_KERNELS_DECODE_O": "regs"}),
                                      ("decode_split_h128_d512", 128, 512, 3, {})):
-        if op in g.ops:  # direct mode's O staged in smem, one bulk copy per head row (d_qk 512: past
-            run(op, h, d_qk, splits, "separate", env)  # Q's smem), or the register stores; a d512 split
+        if op in g.ops:
+            run(op, h, d_qk, splits, "separate", env)
     for op, h, splits in (("decode_fused_h128", 128, 3), ("decode_narrow_fused_h16", 16, 4)):
         if op in g.ops:
             run(op, h, 576, splits, "fused")

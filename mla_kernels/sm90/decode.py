@@ -397,57 +397,52 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
 
         odd = (lane_quad % 2) == 1
         col0 = wg * (self.d_v // 2) + 4 * (lane_quad // 2)
-        if const_expr(self.o_bulk and not self.split):
-            # direct mode: the Q / KV buffers are free (both WGs passed BAR_L_READY after their
-            # last wgmma; the producer is done): bf16 rows staged 16-byte padded (bank-conflict
-            # free), then each of 64 threads bulk-copies one head row (1 KB, contiguous in out)
+        bulk = const_expr(self.o_bulk and not self.split)  # direct mode's O by bulk copies
+        if const_expr(self.cluster_dsmem or bulk):
+            # the Q / KV buffers are free (both WGs passed BAR_L_READY after their last wgmma; the
+            # producer is done): the rows staged 16-byte padded (bank-conflict free) -- for the
+            # cluster merge, or (bf16) for one bulk copy per head row
             my_row = Int32(cutlass.select_(odd, row1, row0))
             for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
                 v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
-                cm.stage_o_v4(x_addr, my_row, col0 + 8 * g, v0, v1, v2, v3, self.d_v, True)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_O_STAGED, number_of_threads=256)
-            n_tok = n_tokens_of(mLse, self.split)
-            tid = wg * 128 + idx_in_wg
-            if tid < B_H:
-                off = dp.out_row_offset(split, n_tok, token, h_q, h_blk * B_H + tid, self.d_v)
-                dev.bulk_copy_s2g(dev.gmem_addr_i64(mO.iterator) + off * 2,
-                                  x_addr + tid * cm.row_stride_bytes(self.d_v, True), Int32(self.d_v * 2))
-                cute.arch.cp_async_bulk_commit_group()
-            if wg == 1:
-                if lane_quad == 0:
-                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head0), l0, rM[0], flags)
-                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head1), l1, rM[1], flags)
-            if tid < B_H:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the staged rows are read before exit
-        elif const_expr(self.cluster_dsmem):
-            # the Q / KV buffers are free: both WGs passed BAR_L_READY after their last wgmma
-            my_row = Int32(cutlass.select_(odd, row1, row0))
-            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
-                cm.stage_o_v4(x_addr, my_row, col0 + 8 * g, v0, v1, v2, v3, self.d_v, self.cluster_bf16)
+                cm.stage_o_v4(x_addr, my_row, col0 + 8 * g, v0, v1, v2, v3, self.d_v,
+                              self.cluster_bf16 if const_expr(self.cluster_dsmem) else True)
+        if const_expr(self.cluster_dsmem):
             if wg == 1:
                 if lane_quad == 0:
                     cm.stage_row_stats(stats_addr, row0, B_H, l0, rM[0])
                     cm.stage_row_stats(stats_addr, row1, B_H, l1, rM[1])
         else:
             n_tok = n_tokens_of(mLse, self.split)
-            my_head = Int32(cutlass.select_(odd, head1, head0))
-            base = dp.out_row_offset(split, n_tok, token, h_q, my_head, self.d_v) + col0
-            elem_bytes = 4 if const_expr(self.f32_out) else 2
-            o_addr = dev.gmem_addr_i64(mO.iterator) + base * elem_bytes
-            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
-                addr = o_addr + (8 * g) * elem_bytes
-                if const_expr(self.f32_out):
-                    dev.st_global_v4_f32(addr, v0, v1, v2, v3)
-                else:
-                    dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
+            tid = wg * 128 + idx_in_wg
+            if const_expr(bulk):
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_O_STAGED, number_of_threads=256)
+                if tid < B_H:  # head row tid: 1 KB, contiguous in out
+                    off = dp.out_row_offset(split, n_tok, token, h_q, h_blk * B_H + tid, self.d_v)
+                    dev.bulk_copy_s2g(dev.gmem_addr_i64(mO.iterator) + off * 2,
+                                      x_addr + tid * cm.row_stride_bytes(self.d_v, True), Int32(self.d_v * 2))
+                    cute.arch.cp_async_bulk_commit_group()
+            else:
+                my_head = Int32(cutlass.select_(odd, head1, head0))
+                base = dp.out_row_offset(split, n_tok, token, h_q, my_head, self.d_v) + col0
+                elem_bytes = 4 if const_expr(self.f32_out) else 2
+                o_addr = dev.gmem_addr_i64(mO.iterator) + base * elem_bytes
+                for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
+                    v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
+                    addr = o_addr + (8 * g) * elem_bytes
+                    if const_expr(self.f32_out):
+                        dev.st_global_v4_f32(addr, v0, v1, v2, v3)
+                    else:
+                        dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
 
             if wg == 1:
                 if lane_quad == 0:
                     dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head0), l0, rM[0], flags)
                     dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h_q, head1), l1, rM[1], flags)
+            if const_expr(bulk):
+                if tid < B_H:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the staged rows are read before exit
 
 
 def n_tokens_of(mLse, split: bool):

@@ -105,7 +105,7 @@ class SparseMlaFwdSm90:
         scale_log2: Float32,  # sm_scale * log2(e)
         stream,
     ):
-        d_qk, d_v = self.d_qk, self.d_v
+        d_qk = self.d_qk
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         sQ_layout = cute.tile_to_shape(k_atom, (B_H, d_qk), (0, 1))
         sK_layout = cute.tile_to_shape(k_atom, (B_TOPK, d_qk), (0, 1))
