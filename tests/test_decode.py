@@ -481,9 +481,10 @@ def test_page_divisor_exhaustive_ranges(d):
 @pytest.mark.parametrize("env,read,default,other,modes", [
     (decode_host.ENV_PAGEDIV, decode_host.page_div_mode, "generic", "magic", "generic, magic"),  # the division
     (decode_host.ENV_O_MODE, decode_host.decode_o_mode, "bulk", "regs", "bulk, regs"),  # how direct mode writes O
+    (decode_host.ENV_RING, decode_host.decode_ring_mode, "auto", "alt", "auto, fixed, alt"),  # the KV ring
 ])
 def test_plan_time_knobs(env, read, default, other, modes, monkeypatch):
-    """MLA_KERNELS_DECODE_PAGEDIV / MLA_KERNELS_DECODE_O, read when a plan is made: the default
+    """MLA_KERNELS_DECODE_PAGEDIV / _O / _RING, read when a plan is made: the default
     when unset, the other value (whitespace stripped), a clear error otherwise."""
     monkeypatch.delenv(env, raising=False)
     assert read() == default
@@ -494,7 +495,56 @@ def test_plan_time_knobs(env, read, default, other, modes, monkeypatch):
         read()
 
 
-@pytest.mark.parametrize("kw,opt", [({"pagediv": "magic"}, "pagediv"), ({"o_bulk": True}, "o_bulk")])
+def test_ring_rule():
+    """auto: the alternating ring in direct mode, the fixed one in split mode; explicit modes win."""
+    assert decode_host.ring_for("auto", False) == "alt"
+    assert decode_host.ring_for("auto", True) == "fixed"
+    for split in (False, True):
+        assert decode_host.ring_for("fixed", split) == "fixed"
+        assert decode_host.ring_for("alt", split) == "alt"
+
+
+@pytest.mark.parametrize("env,h,num_splits,want", [
+    (None, 128, 1, "alt"), (None, 64, 4, "fixed"), ("fixed", 64, 1, "fixed"), ("alt", 128, 2, "alt"),
+    (None, 16, 1, None), ("alt", 32, 3, None),  # the narrow kernel has its own loop: no ring option
+])
+def test_plan_passes_the_ring(env, h, num_splits, want, monkeypatch):
+    """prepare_decode hands the 64-head kernel ``ring_alt`` (True exactly when the plan's ring is
+    ``alt``), records the ring in ``plan.state``, and never passes the option to the narrow
+    kernel."""
+    from decode_emulation import Calls, emulated_compilers
+
+    if env is None:
+        monkeypatch.delenv(decode_host.ENV_RING, raising=False)
+    else:
+        monkeypatch.setenv(decode_host.ENV_RING, env)
+    monkeypatch.setenv(decode_host.ENV_COMBINE, "separate")
+    monkeypatch.setattr(_compile, "_cache", {})
+    monkeypatch.setattr(_compile, "arch_for_device", lambda d: "sm_90a")
+    wide, narrow, combine = emulated_compilers(Calls())
+    seen = []
+
+    def spy(compile_fn):
+        def f(*a, **kw):
+            seen.append(kw)
+            return compile_fn(*a, **kw)
+        return f
+
+    n_blocks = -(-256 // 64)
+    bps = -(-n_blocks // num_splits)
+    plan = DecodePlan(2, 1, h, 256, 576, 512, torch.device("cpu"), torch.bfloat16, -(-n_blocks // bps), bps)
+    plan.allocate()
+    decode_host.prepare_decode(plan, spy(wide), spy(narrow), combine)
+    assert len(seen) == 1
+    if want is None:
+        assert "ring_alt" not in seen[0]
+    else:
+        assert seen[0]["ring_alt"] is (want == "alt")
+    assert plan.state.get("ring") == want
+
+
+@pytest.mark.parametrize("kw,opt", [({"pagediv": "magic"}, "pagediv"), ({"o_bulk": True}, "o_bulk"),
+                                    ({"ring_alt": True}, "ring_alt")])
 def test_compile_options_checked(kw, opt):
     class NoOption:
         pass

@@ -9,7 +9,8 @@ from conftest import compile_report_module
 
 pytestmark = pytest.mark.compile
 SMEM_LIMIT = 232448
-NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
+NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_d576_h64_direct", "sm90_decode_d576_h64_direct_fixed",
+         "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
          "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
          "sm90_decode_d576_h128_cluster16_l2"}
 
@@ -78,6 +79,29 @@ def test_decode_head_block_kernel(report):
     assert base.get("LDGSTS", 0) == 72 + q_chunks(64)
     assert base.get("UTMALDG", 0) == 0  # no TMA: Q (+ q_bias, fused through registers) by the consumers
     assert sass.get("STG.E.128", 0) >= 32  # float32 partial rows as 16-byte stores
+
+
+def test_decode_alternating_ring(report):
+    """Direct mode's default, the alternating KV ring (MLA_KERNELS_DECODE_RING): the pair loop is
+    traced once per parity -- twice the fixed ring's products and gather copies, the same 0 spills
+    and shared memory -- and the two ids each warpgroup syncs on in the loop (the peer's P landed:
+    WG1 on BAR_S0_READY, WG0 on BAR_S1_READY) sit at one address per parity body: both bodies are
+    run in turn by the same 128 threads, so every barrier instance completes at one instruction
+    (synccheck: tools/sanitize.py --groups F)."""
+    from mla_kernels.sm90.decode import BAR_S0_READY, BAR_S1_READY
+
+    cr = compile_report_module()
+    alt, fixed = report["sm90_decode_d576_h64_direct"], report["sm90_decode_d576_h64_direct_fixed"]
+    sa, ba = _common(alt)
+    sf, bf = _common(fixed)
+    assert alt["smem_bytes"] == fixed["smem_bytes"]
+    assert sf.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sf.get("HGMMA.64x256x16.F32.BF16", 0) == 16
+    # QK: WG0's prologue + its next-pair products in both bodies + WG1's two bodies; PV: 4 per product
+    assert sa.get("HGMMA.64x64x16.F32.BF16", 0) == 36 * 5 and sa.get("HGMMA.64x256x16.F32.BF16", 0) == 32
+    assert ba.get("LDGSTS", 0) == 2 * 72 + q_chunks(64) and bf.get("LDGSTS", 0) == 72 + q_chunks(64)
+    assert cr.bar_sync_repeats(fixed["barriers"]) == {}
+    rep = cr.bar_sync_repeats(alt["barriers"])
+    assert set(rep) == {BAR_S0_READY, BAR_S1_READY} and all(len(a) == 2 for a in rep.values())
 
 
 @pytest.mark.parametrize("name,h", [("sm90_decode_narrow_d576_h16_direct", 16)])
@@ -156,7 +180,7 @@ def test_producer_divides_by_the_page_size_with_constants():
     assert len(ops) > 300  # the region was found: the producer's loop and copies
     assert [o for o in ops if o.startswith(("I2F", "F2I", "MUFU.RCP"))] == []
     assert sum(o.startswith("IMAD.HI") for o in ops) >= 9
-    assert base_ldgsts(r) == 72 + q_chunks(64)  # the same copies
+    assert base_ldgsts(r) == 2 * 72 + q_chunks(64)  # the same copies (direct mode: two pair bodies)
 
 
 @pytest.mark.parametrize("name", ["sm90_decode_d576_h128_split", "sm90_decode_narrow_d576_h16_direct"])

@@ -25,6 +25,7 @@ def test_groups_cover_every_dispatchable_option():
                    "bwd_det",
                    "bwd_det_asum", "bwd_dlse",
                    "decode_split_h128", "decode_direct_h64", "decode_direct_h128_d512", "decode_direct_h64_oregs",
+                   "decode_direct_h64_fixed", "decode_split_h64_d512_ring", "decode_cluster4_h128_ring",
                    "decode_split_h128_d512",
                    "decode_narrow_split_h16",
                    "decode_narrow_direct_h32_d512", "decode_fused_h128", "decode_narrow_fused_h16",

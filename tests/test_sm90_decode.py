@@ -264,6 +264,39 @@ def test_decode_page_division_magic_is_bitwise_generic(h, b, s_q, topk, page_siz
     check(o1, l1, want_of(c, sc, with_ml=True), c, ml=m1)
 
 
+@pytest.mark.parametrize("h,b,s_q,d,topk,splits,combine", [
+    (64, 140, 1, 576, 640, 1, "separate"),  # direct, 5 block pairs (odd: the loop ends in an even body)
+    (128, 67, 2, 576, 512, 1, "separate"),  # direct h 128, 4 pairs
+    (128, 33, 1, 512, 128, 1, "separate"),  # d_qk 512 (P0 outside the RoPE tile), one pair
+    (128, 5, 1, 576, 2048, 4, "separate"),  # split: 4 pairs per CTA, the combine kernel
+    (64, 3, 2, 576, 1024, 4, "cluster"),  # split CTAs of a row as one cluster, merged over DSMEM
+])
+def test_decode_rings_are_bitwise_equal(h, b, s_q, d, topk, splits, combine, monkeypatch):
+    """The alternating KV ring (MLA_KERNELS_DECODE_RING=alt; direct mode's default) and the fixed
+    ring (split mode's default) give bit for bit the same out, lse and max_logits -- with
+    topk_length (empty rows among them), sink, bias, invalid / duplicate slots, a block table -- and
+    match the reference; outputs poisoned before each call."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
+    c = dcase(b, s_q, h, topk, d=d, block_table=True, tl="bs", sink=True, bias=True, seed=29 * h + d + topk)
+    res = {}
+    for ring in ("fixed", "alt"):
+        monkeypatch.setenv("MLA_KERNELS_DECODE_RING", ring)
+        plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True,
+                              num_splits=None if splits == 1 else splits)
+        assert plan.state["ring"] == ring and plan.num_splits == splits
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        res[ring] = (out.clone(), lse.clone(), plan.max_logits.clone())
+    for a, b_ in zip(res["fixed"], res["alt"]):
+        assert torch.equal(a, b_)
+    check(res["alt"][0], res["alt"][1], want_of(c, sc, with_ml=True), c, ml=res["alt"][2])
+    monkeypatch.delenv("MLA_KERNELS_DECODE_RING")
+    assert mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda",
+                          num_splits=None if splits == 1 else splits).state["ring"] == (
+        "alt" if splits == 1 else "fixed")
+
+
 @pytest.mark.parametrize("h,b,s_q,d,block_table,splits,parts", [
     (64, 140, 1, 576, True, 1, "f32"),  # direct: the b 128 h 64 kernel, positions through a block table
     (128, 67, 2, 576, False, 1, "f32"),  # direct h 128, physical ids

@@ -9,7 +9,9 @@ Kernel names say the static configuration: ``<arch>_<op>_d<d_qk>_h<h_q>`` then `
 ``_norm`` (normalised attn_dist), ``_heads``/``_tokens`` (the sm90 attn_dist mode), ``_persist`` (its
 persistent grid, compiled for 132 SMs), ``_qscalar`` (Q by 4-byte loads instead of the default
 16-byte loads and quad shuffles), ``_qring`` (Q through the KV ring, ldmatrix into registers),
-``_oregs`` (decode's direct mode storing O from registers instead of bulk copies of smem-staged rows).
+``_oregs`` (decode's direct mode storing O from registers instead of bulk copies of smem-staged rows),
+``_ring`` / ``_fixed`` (decode's KV ring when it is not the mode's default: the alternating ring is
+the default in direct mode, the fixed one in split mode; ``MLA_KERNELS_DECODE_RING``).
 
 Per kernel: ``name``, ``arch``, ``registers``, ``spill_bytes`` (stores + loads), ``stack_bytes``,
 ``smem_bytes`` (dynamic smem of the launch), ``sass`` (instruction counts by full opcode, the
@@ -86,6 +88,9 @@ def kernels_for(arch):
             ("sm90_decode_d512_h128_direct", lambda a, **kw: compile_decode(512, 128, False, a, **kw)),
             ("sm90_decode_d576_h128_direct_oregs",
              lambda a, **kw: compile_decode(576, 128, False, a, o_bulk=False, **kw)),
+            ("sm90_decode_d576_h64_direct_fixed",
+             lambda a, **kw: compile_decode(576, 64, False, a, ring_alt=False, **kw)),
+            ("sm90_decode_d512_h64_split_ring", lambda a, **kw: compile_decode(512, 64, True, a, ring_alt=True, **kw)),
             ("sm90_decode_d512_h128_fused", lambda a, **kw: compile_decode(512, 128, True, a, fused=True, **kw)),
             ("sm90_decode_d576_h128_cluster16", lambda a, **kw: compile_decode(576, 128, True, a, cluster=16, **kw)),
             ("sm90_decode_d576_h128_cluster16_l2",

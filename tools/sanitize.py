@@ -85,7 +85,8 @@ GROUPS = (
     # kernel: the last CTA merges; the split CTAs of a row as one cluster merging over DSMEM, float32
     # and bf16 staging) and merge_attn_partials
     Group("F", 576, 128, True, True, False, ("decode_split_h128", "decode_direct_h64", "decode_direct_h128_d512",
-                                             "decode_direct_h64_oregs",
+                                             "decode_direct_h64_oregs", "decode_direct_h64_fixed",
+                                             "decode_split_h64_d512_ring", "decode_cluster4_h128_ring",
                                              "decode_split_h128_d512", "decode_narrow_split_h16",
                                              "decode_narrow_direct_h32_d512", "decode_fused_h128",
                                              "decode_narrow_fused_h16", "decode_cluster4_h128",
@@ -339,13 +340,18 @@ def _decode_steps(g: Group, step, dev) -> None:
                                      ("decode_narrow_direct_h32_d512", 32, 512, 1, {}),
                                      ("decode_direct_h128_d512", 128, 512, 1, {}),
                                      ("decode_direct_h64_oregs", 64, 576, 1, {"MLA_KERNELS_DECODE_O": "regs"}),
-                                     ("decode_split_h128_d512", 128, 512, 3, {})):
+                                     ("decode_split_h128_d512", 128, 512, 3, {}),
+                                     # the KV ring off its mode's default (MLA_KERNELS_DECODE_RING: alt
+                                     # in direct mode, fixed in split mode by default)
+                                     ("decode_direct_h64_fixed", 64, 576, 1, {"MLA_KERNELS_DECODE_RING": "fixed"}),
+                                     ("decode_split_h64_d512_ring", 64, 512, 3, {"MLA_KERNELS_DECODE_RING": "alt"})):
         if op in g.ops:
             run(op, h, d_qk, splits, "separate", env)
     for op, h, splits in (("decode_fused_h128", 128, 3), ("decode_narrow_fused_h16", 16, 4)):
         if op in g.ops:
             run(op, h, 576, splits, "fused")
     for op, h, splits, env in (("decode_cluster4_h128", 128, 4, {}),
+                               ("decode_cluster4_h128_ring", 128, 4, {"MLA_KERNELS_DECODE_RING": "alt"}),
                                ("decode_cluster2_h64_bf16", 64, 2, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"}),
                                ("decode_cluster4_h128_l2", 128, 4, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "l2"})):
         if op in g.ops:

@@ -25,7 +25,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass import BFloat16, Boolean, Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warp, warpgroup
@@ -193,7 +193,7 @@ class PairedBlockConsumer:
     :meth:`loop` runs the blocks; ``acc_o``, ``rM`` (running max, scaled log2) and ``rL``
     (partial row sums) hold the result for the caller's epilogue."""
 
-    def __init__(self, sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, d_qk: int, d_v: int):
+    def __init__(self, sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, d_qk: int, d_v: int, sS0b=None):
         self.d_v = d_v
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
@@ -201,6 +201,7 @@ class PairedBlockConsumer:
         mma_rs = tiled_mma(B_H, d_v // 2, OperandMajorMode.K, OperandMajorMode.MN, True)
         mma_ss = tiled_mma(B_H, d_v // 2, OperandMajorMode.K, OperandMajorMode.MN, False)
         self.mma_rs = mma_rs
+        self.mma_qk = mma_qk
         thr_qk = mma_qk.get_slice(idx_in_wg)
         thr_rs = mma_rs.get_slice(idx_in_wg)
         thr_ss = mma_ss.get_slice(idx_in_wg)
@@ -229,6 +230,12 @@ class PairedBlockConsumer:
         self.thr_st_p = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(idx_in_wg)
         self.tPsS0 = self.thr_st_p.partition_D(sS0)
         self.tPsS1 = self.thr_st_p.partition_D(sS1)
+        # the alternating ring (``loop(alt=True)``): in odd pairs WG0's P0 goes to ``sS0b`` (the
+        # RoPE tile of buffer 1 at d_qk 576, where WG0's block then has its right half)
+        if sS0b is None:
+            sS0b = sS0
+        self.tOrS0b = thr_ss.make_fragment_A(thr_ss.partition_A(sS0b))
+        self.tPsS0b = self.thr_st_p.partition_D(sS0b)
         self.tPrP = self.thr_st_p.retile(self.tOrP_acc)
         self.rM = cute.make_rmem_tensor((2,), Float32)
         self.rL = cute.make_rmem_tensor((2,), Float32)
@@ -265,93 +272,156 @@ class PairedBlockConsumer:
         num_iters: Int32,
         wg: Int32,
         scale_log2: Float32,
+        alt: cutlass.Constexpr = False,
     ):
-        """``num_iters`` block pairs: QK^T, masks, online softmax, PV."""
-        acc_s, acc_o, rM, rL = self.acc_s, self.acc_o, self.rM, self.rL
-        row0, row1, lane_quad = self.row0, self.row1, self.lane_quad
-        n_left, n_k = self.n_left, self.n_k_tiles
+        """``num_iters`` block pairs: QK^T, masks, online softmax, PV.
+
+        ``alt`` (the alternating ring): the right halves (k-tiles ``n_left..``) of the two buffers
+        swap owners every pair.  A pair's WG0 block is left half 0 + right half 0 (even pairs) or
+        right half 1 (odd pairs) -- the two halves its last readers free early in the previous pair
+        (after the products with their own P) -- and WG1's block the two halves freed last (after
+        the products with the peer's P), so WG0's next QK never waits for a gather issued at the
+        end of a pair.  Without ``alt`` block 0 of a pair is always buffer 0."""
         if wg == 0:
             if num_iters > 0:
                 k0l.wait_ready(0)
-                self.qk(self.tSrK0, 0, n_left, True)
+                self.qk(self.tSrK0, 0, self.n_left, True)
                 k0r.wait_ready(0)
-                self.qk(self.tSrK0, n_left, n_k, False)
+                self.qk(self.tSrK0, self.n_left, self.n_k_tiles, False)
                 cute.nvgpu.warpgroup.wait_group(0)
-            for it in cutlass.range(num_iters, unroll=1):
-                parity = it & 1
-                cute.arch.mbarrier_wait(bar_valid, parity)
-                dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
-                # online softmax of block 0 against WG0's running max; publish the max
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
-                if lane_quad == 0:
-                    sM0[row0] = rM[0]
-                    sM0[row1] = rM[1]
-                max0_ready.arrive()
-                # O_left += P0 V0_left (P0 from registers)
-                self.tOrP_acc.store(acc_s.load().to(BFloat16))
-                self.pv(True, self.tOrP, self.tOrV0_rs)
-                cute.nvgpu.warpgroup.wait_group(0)
-                k0l.release()
-                # the final max from WG1: rescale P0, hand it to WG1 through smem
-                max1_ready.wait(parity)
-                m0 = sM1[row0]
-                m1 = sM1[row1]
-                sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
-                sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
-                rM[0] = m0
-                rM[1] = m1
-                dev.scale_rows(acc_s, sf0, sf1)
-                self.tOrP_acc.store(acc_s.load().to(BFloat16))
-                cute.copy(self.thr_st_p, self.tPrP, self.tPsS0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=bar_s0, number_of_threads=256)
-                # O_left += P1 V1_left (P1 from WG1 through smem)
-                cute.arch.barrier(barrier_id=bar_s1, number_of_threads=256)
-                dev.scale_rows(acc_o, sf0, sf1)
-                rL[0] = rL[0] * sf0
-                rL[1] = rL[1] * sf1
-                self.pv(False, self.tOrS1, self.tOrV1_ss)
-                if it + 1 < num_iters:
-                    nparity = parity ^ 1
-                    k0l.wait_ready(nparity)
-                    self.qk(self.tSrK0, 0, n_left, True)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    k1l.release()
-                    k0r.wait_ready(nparity)
-                    self.qk(self.tSrK0, n_left, n_k, False)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    k1l.release()
+            if const_expr(alt):
+                for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
+                    it = 2 * it2
+                    self._wg0_pair(it, num_iters, 0, False, True, sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid,
+                                   max0_ready, max1_ready, bar_s0, bar_s1, scale_log2)
+                    if it + 1 < num_iters:
+                        self._wg0_pair(it + 1, num_iters, 1, True, False, sValid, sM0, sM1, k0l, k0r, k1l, k1r,
+                                       bar_valid, max0_ready, max1_ready, bar_s0, bar_s1, scale_log2)
+            else:
+                for it in cutlass.range(num_iters, unroll=1):
+                    self._wg0_pair(it, num_iters, it & 1, False, False, sValid, sM0, sM1, k0l, k0r, k1l, k1r,
+                                   bar_valid, max0_ready, max1_ready, bar_s0, bar_s1, scale_log2)
         else:
-            for it in cutlass.range(num_iters, unroll=1):
-                parity = it & 1
-                k1r.wait_ready(parity)
-                self.qk(self.tSrK1, n_left, n_k, True)
-                k1l.wait_ready(parity)
-                self.qk(self.tSrK1, 0, n_left, False)
-                cute.nvgpu.warpgroup.wait_group(0)
-                cute.arch.mbarrier_wait(bar_valid, parity)
-                dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
-                # online softmax of block 1 against max(WG0's max, own); publish the final max
-                max0_ready.wait(parity)
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
-                if lane_quad == 0:
-                    sM1[row0] = rM[0]
-                    sM1[row1] = rM[1]
-                max1_ready.arrive()
-                # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
-                self.tOrP_acc.store(acc_s.load().to(BFloat16))
-                self.pv(True, self.tOrP, self.tOrV1_rs)
-                cute.copy(self.thr_st_p, self.tPrP, self.tPsS1)
-                cute.arch.barrier(barrier_id=bar_s0, number_of_threads=256)
-                self.pv(False, self.tOrS0, self.tOrV0_ss)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=bar_s1, number_of_threads=256)
-                cute.nvgpu.warpgroup.wait_group(1)
-                k1r.release()
-                cute.nvgpu.warpgroup.wait_group(0)
-                k0r.release()
+            if const_expr(alt):
+                for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
+                    it = 2 * it2
+                    self._wg1_pair(0, False, sValid, sM1, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, bar_s0,
+                                   bar_s1, scale_log2, sM0)
+                    if it + 1 < num_iters:
+                        self._wg1_pair(1, True, sValid, sM1, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready,
+                                       bar_s0, bar_s1, scale_log2, sM0)
+            else:
+                for it in cutlass.range(num_iters, unroll=1):
+                    self._wg1_pair(it & 1, False, sValid, sM1, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready,
+                                   bar_s0, bar_s1, scale_log2, sM0)
+
+    @cute.jit
+    def _wg0_pair(self, it: Int32, num_iters: Int32, parity, odd: cutlass.Constexpr, next_odd: cutlass.Constexpr,
+                  sValid, sM0, sM1, k0l: cutlass.Constexpr, k0r: cutlass.Constexpr, k1l: cutlass.Constexpr,
+                  k1r: cutlass.Constexpr, bar_valid, max0_ready: cutlass.Constexpr, max1_ready: cutlass.Constexpr,
+                  bar_s0: cutlass.Constexpr, bar_s1: cutlass.Constexpr, scale_log2: Float32):
+        """WG0's part of pair ``it`` (its QK product already issued and waited for); ``odd``: this
+        pair's block has its right half in buffer 1 (P0 goes to ``sS0b``), ``next_odd``: the next
+        pair's does."""
+        acc_s, acc_o, rM, rL = self.acc_s, self.acc_o, self.rM, self.rL
+        row0, row1 = self.row0, self.row1
+        cute.arch.mbarrier_wait(bar_valid, parity)
+        dev.mask_scores(acc_s, sValid[0], sValid[1], self.lane_quad)
+        # online softmax of block 0 against WG0's running max; publish the max
+        dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
+        if self.lane_quad == 0:
+            sM0[row0] = rM[0]
+            sM0[row1] = rM[1]
+        max0_ready.arrive()
+        # O_left += P0 V0_left (P0 from registers)
+        self.tOrP_acc.store(acc_s.load().to(BFloat16))
+        self.pv(True, self.tOrP, self.tOrV0_rs)
+        cute.nvgpu.warpgroup.wait_group(0)
+        k0l.release()
+        # the final max from WG1: rescale P0, hand it to WG1 through smem
+        max1_ready.wait(parity)
+        m0 = sM1[row0]
+        m1 = sM1[row1]
+        sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
+        sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
+        rM[0] = m0
+        rM[1] = m1
+        dev.scale_rows(acc_s, sf0, sf1)
+        self.tOrP_acc.store(acc_s.load().to(BFloat16))
+        cute.copy(self.thr_st_p, self.tPrP, self.tPsS0b if const_expr(odd) else self.tPsS0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier_arrive(barrier_id=bar_s0, number_of_threads=256)
+        # O_left += P1 V1_left (P1 from WG1 through smem)
+        cute.arch.barrier(barrier_id=bar_s1, number_of_threads=256)
+        dev.scale_rows(acc_o, sf0, sf1)
+        rL[0] = rL[0] * sf0
+        rL[1] = rL[1] * sf1
+        self.pv(False, self.tOrS1, self.tOrV1_ss)
+        if it + 1 < num_iters:
+            nparity = parity ^ 1
+            k0l.wait_ready(nparity)
+            self.qk(self.tSrK0, 0, self.n_left, True)
+            cute.nvgpu.warpgroup.wait_group(1)
+            k1l.release()
+            if const_expr(next_odd):
+                k1r.wait_ready(nparity)
+                self.qk(self.tSrK1, self.n_left, self.n_k_tiles, False)
+            else:
+                k0r.wait_ready(nparity)
+                self.qk(self.tSrK0, self.n_left, self.n_k_tiles, False)
+            cute.nvgpu.warpgroup.wait_group(0)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            k1l.release()
+
+    @cute.jit
+    def _wg1_pair(self, parity, odd: cutlass.Constexpr, sValid, sM1, k0r: cutlass.Constexpr,
+                  k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid, max0_ready: cutlass.Constexpr,
+                  max1_ready: cutlass.Constexpr, bar_s0: cutlass.Constexpr, bar_s1: cutlass.Constexpr,
+                  scale_log2: Float32, sM0):
+        """WG1's pair: block 1 (left half 1 + right half 1, or right half 0 when ``odd``), then
+        the peer's P0 against the right half of WG0's block."""
+        acc_s, acc_o, rM, rL = self.acc_s, self.acc_o, self.rM, self.rL
+        row0, row1 = self.row0, self.row1
+        if const_expr(odd):
+            k0r.wait_ready(parity)
+            self.qk(self.tSrK0, self.n_left, self.n_k_tiles, True)
+        else:
+            k1r.wait_ready(parity)
+            self.qk(self.tSrK1, self.n_left, self.n_k_tiles, True)
+        k1l.wait_ready(parity)
+        self.qk(self.tSrK1, 0, self.n_left, False)
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.mbarrier_wait(bar_valid, parity)
+        dev.mask_scores(acc_s, sValid[2], sValid[3], self.lane_quad)
+        # online softmax of block 1 against max(WG0's max, own); publish the final max
+        max0_ready.wait(parity)
+        dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
+        if self.lane_quad == 0:
+            sM1[row0] = rM[0]
+            sM1[row1] = rM[1]
+        max1_ready.arrive()
+        # O_right += P1 V1_right (registers), then hand P1 to WG1, O_right += P0 V0_right
+        self.tOrP_acc.store(acc_s.load().to(BFloat16))
+        self.pv(True, self.tOrP, self.tOrV0_rs if const_expr(odd) else self.tOrV1_rs)
+        cute.copy(self.thr_st_p, self.tPrP, self.tPsS1)
+        cute.arch.barrier(barrier_id=bar_s0, number_of_threads=256)
+        if const_expr(odd):
+            self.pv(False, self.tOrS0b, self.tOrV1_ss)
+        else:
+            self.pv(False, self.tOrS0, self.tOrV0_ss)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier_arrive(barrier_id=bar_s1, number_of_threads=256)
+        cute.nvgpu.warpgroup.wait_group(1)
+        if const_expr(odd):
+            k0r.release()
+        else:
+            k1r.release()
+        cute.nvgpu.warpgroup.wait_group(0)
+        if const_expr(odd):
+            k1r.release()
+        else:
+            k0r.release()
 
 
 @cute.jit
@@ -371,32 +441,67 @@ def paired_producer_loop(
     warp_in_wg: Int32,
     n_left: cutlass.Constexpr,
     n_k_tiles: cutlass.Constexpr,
+    alt: cutlass.Constexpr = False,
 ):
     """The producer of :class:`PairedBlockConsumer`: block ``blk0 + 2 it`` -> buffer 0, the next
     -> buffer 1, in the halves' order the consumers free them (0L, 1R, 0R, 1L); then the four
     validity words (one per warp: buffer ``w // 2``, tokens ``32 (w % 2) ..``) and one arrival
-    each on ``bar_valid``."""
-    for it in cutlass.range(num_iters, unroll=1):
-        parity = it & 1
-        blk = blk0 + 2 * it
-        gather.load_indices(blk, 0)
-        gather.load_indices(blk + 1, 1)
-        k0l.wait_free(parity)
-        gather.copy_tiles(sK0_addr, 0, 0, n_left)
-        k0l.commit_cp_async()
+    each on ``bar_valid``.  ``alt`` (the consumers' alternating ring): in odd pairs the right
+    halves of the two blocks trade buffers; the order is then left 0, WG0's right, WG1's right,
+    left 1 (early frees first)."""
+    if const_expr(alt):
+        for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
+            it = 2 * it2
+            _producer_pair(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0 + 2 * it, 0,
+                           ptid, warp_in_wg, n_left, n_k_tiles, True, False)
+            if it + 1 < num_iters:
+                _producer_pair(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0 + 2 * it + 2,
+                               1, ptid, warp_in_wg, n_left, n_k_tiles, True, True)
+    else:
+        for it in cutlass.range(num_iters, unroll=1):
+            _producer_pair(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0 + 2 * it, it & 1,
+                           ptid, warp_in_wg, n_left, n_k_tiles, False, False)
+
+
+@cute.jit
+def _producer_pair(gather, sK0_addr: Int32, sK1_addr: Int32, sValid: cute.Tensor, k0l: cutlass.Constexpr,
+                   k0r: cutlass.Constexpr, k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid, blk: Int32,
+                   parity, ptid: Int32, warp_in_wg: Int32, n_left: cutlass.Constexpr, n_k_tiles: cutlass.Constexpr,
+                   alt: cutlass.Constexpr, odd: cutlass.Constexpr):
+    """One pair of :func:`paired_producer_loop`: blocks ``blk`` (WG0's) and ``blk + 1`` (WG1's)."""
+    gather.load_indices(blk, 0)
+    gather.load_indices(blk + 1, 1)
+    k0l.wait_free(parity)
+    gather.copy_tiles(sK0_addr, 0, 0, n_left)
+    k0l.commit_cp_async()
+    if const_expr(not alt):
         k1r.wait_free(parity)
         gather.copy_tiles(sK1_addr, 1, n_left, n_k_tiles)
         k1r.commit_cp_async()
         k0r.wait_free(parity)
         gather.copy_tiles(sK0_addr, 0, n_left, n_k_tiles)
         k0r.commit_cp_async()
-        k1l.wait_free(parity)
-        gather.copy_tiles(sK1_addr, 1, 0, n_left)
-        k1l.commit_cp_async()
-        bits = gather.valid_word(blk + warp_in_wg // 2)
-        if ptid % 32 == 0:
-            sValid[warp_in_wg] = bits
-            cute.arch.mbarrier_arrive(bar_valid)
+    elif const_expr(odd):
+        k1r.wait_free(parity)
+        gather.copy_tiles(sK1_addr, 0, n_left, n_k_tiles)
+        k1r.commit_cp_async()
+        k0r.wait_free(parity)
+        gather.copy_tiles(sK0_addr, 1, n_left, n_k_tiles)
+        k0r.commit_cp_async()
+    else:
+        k0r.wait_free(parity)
+        gather.copy_tiles(sK0_addr, 0, n_left, n_k_tiles)
+        k0r.commit_cp_async()
+        k1r.wait_free(parity)
+        gather.copy_tiles(sK1_addr, 1, n_left, n_k_tiles)
+        k1r.commit_cp_async()
+    k1l.wait_free(parity)
+    gather.copy_tiles(sK1_addr, 1, 0, n_left)
+    k1l.commit_cp_async()
+    bits = gather.valid_word(blk + warp_in_wg // 2)
+    if ptid % 32 == 0:
+        sValid[warp_in_wg] = bits
+        cute.arch.mbarrier_arrive(bar_valid)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, part
 
 
 def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False,
-                          pagediv: Optional[str] = None, o_bulk: Optional[bool] = None, **kw):
+                          pagediv: Optional[str] = None, o_bulk: Optional[bool] = None,
+                          ring_alt: Optional[bool] = None, **kw):
     """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"generic"`` /
     ``"magic"``, default: the kernel's own, ``"generic"``): how its paged gather divides a position
     by the page size (:func:`page_div_mode`)."""
@@ -100,6 +101,10 @@ def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, f
         if not hasattr(kernel, "o_bulk"):
             raise ValueError(f"{type(kernel).__name__} has no o_bulk option")
         kernel.o_bulk = bool(o_bulk)
+    if ring_alt is not None:
+        if not hasattr(kernel, "ring_alt"):
+            raise ValueError(f"{type(kernel).__name__} has no ring_alt option")
+        kernel.ring_alt = bool(ring_alt)
     parts_bf16 = split and getattr(kernel, "parts_bf16", False)
     return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
                                            **kw)
@@ -386,6 +391,30 @@ def decode_o_mode() -> str:
     return _choice(ENV_O_MODE, O_MODES, DEFAULT_O_MODE)
 
 
+ENV_RING = "MLA_KERNELS_DECODE_RING"
+RING_MODES = ("auto", "fixed", "alt")
+DEFAULT_RING = "auto"
+
+
+def decode_ring_mode() -> str:
+    """The 64-head decode kernel's KV ring, read when a plan is made: ``MLA_KERNELS_DECODE_RING``
+    = ``fixed`` (block 0 of every pair in buffer 0), ``alt`` (the right halves of the two buffers
+    swap owners every pair, so that WG0's block is always made of the two halves freed early in
+    the previous pair: ``common/decode_device.PairedBlockConsumer.loop``) or ``auto`` (default:
+    :func:`ring_for`).  Bit for bit the same outputs."""
+    return _choice(ENV_RING, RING_MODES, DEFAULT_RING)
+
+
+def ring_for(mode: str, split: bool) -> str:
+    """The ring a plan's 64-head kernel gets: ``auto`` is ``alt`` in direct mode (one split: a CTA
+    runs all of a request's blocks; H200: 1.05x faster steps at b 64, s_q 2, h_q 128 and at b 128,
+    h_q 64, docs/PERF.md) and ``fixed`` in split mode (4-8 blocks per CTA: the alternating loop's
+    twice longer code cost 1-3% there)."""
+    if mode == "auto":
+        return "fixed" if split else "alt"
+    return mode
+
+
 #: the largest divisor / dividend :func:`page_divisor`'s constants serve (the kernels' int32 range)
 PAGEDIV_MAX = 2**31 - 1
 
@@ -481,6 +510,11 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     if plan.h_q not in NARROW_HEADS and o_mode != DEFAULT_O_MODE:  # (the default keeps its cache key)
         kw["o_bulk"] = o_mode == "bulk"
         pd_key = pd_key + (o_mode,)
+    ring = ring_for(decode_ring_mode(), split)
+    if plan.h_q not in NARROW_HEADS:  # (the narrow kernel has its own loop)
+        plan.state["ring"] = ring
+        kw["ring_alt"] = ring == "alt"
+        pd_key = pd_key + (ring,)
     if plan.h_q in NARROW_HEADS:
         kern = _compile.cached_compile(
             ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch) + pd_key,

@@ -18,6 +18,10 @@ producer gathering KV rows with 16-byte ``cp.async`` in halves.  What differs fr
 * the producer gathers through :class:`~mla_kernels.common.decode_parts.PagedKvGather` (physical
   ids, or logical positions translated through the block table) and only the split's blocks; the
   padding block of an odd pair is masked at the split's end;
+* direct mode runs the alternating KV ring (``ring_alt``): the right halves (k-tiles 4..) of the
+  two buffers swap owners every pair, so WG0's next block always lies in the two halves freed
+  early (after the products with the freeing warpgroup's own P) and its QK product never waits
+  for a gather issued at the end of a pair; split mode keeps the fixed ring (short CTAs);
 * the epilogue stores O from registers with 16-byte (float32) vector stores (split mode), or in
   direct mode stages the bf16 rows in Q's free smem and writes each head's row by one 1 KB bulk
   copy (``o_bulk``, the default; 8-byte stores from registers otherwise).
@@ -91,6 +95,11 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # False: 8-byte stores from the accumulator registers; set by
         # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_O)
         self.o_bulk = True
+        # the alternating KV ring (``PairedBlockConsumer.loop(alt=True)``): the right halves of
+        # the two buffers swap owners every block pair.  Default: direct mode only (a CTA runs a
+        # whole request; split CTAs run 4-8 blocks), decode_host.ring_for's rule; set by
+        # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_RING)
+        self.ring_alt = not split
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -265,9 +274,13 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         sK1 = storage.sK1.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sS1 = storage.sS1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sS0 = None
+        sS0b = None
         if const_expr(self.s0_in_rope):
             s0_ptr = storage.sK0.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
             sS0 = cute.make_tensor(cute.recast_ptr(s0_ptr, sP_layout.inner), sP_layout.outer)
+            if const_expr(self.ring_alt):  # odd pairs: WG0's block has its RoPE tile in buffer 1
+                s0b_ptr = storage.sK1.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
+                sS0b = cute.make_tensor(cute.recast_ptr(s0b_ptr, sP_layout.inner), sP_layout.outer)
         else:
             sS0 = storage.sS0.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
@@ -290,7 +303,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             )
             dd.paired_producer_loop(gather, dev.smem_addr_u32(sK0_ptr), dev.smem_addr_u32(sK1_ptr), sValid, k0l, k0r,
                                     k1l, k1r, bar_valid, blk0, num_iters, idx_in_wg, warp_idx % 4, self.n_left,
-                                    self.n_k_tiles)
+                                    self.n_k_tiles, self.ring_alt)
             if const_expr(self.cluster):
                 cm.cluster_sync(False)  # the partials are staged (the producer wrote none of them)
             if const_expr(self.cluster_dsmem):
@@ -301,7 +314,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_Q_READY, number_of_threads=256)
             self.consumer(
-                mSink, mO, mLse, mML, scale_log2, flags, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1,
+                mSink, mO, mLse, mML, scale_log2, flags, sValid, sM0, sM1, sL, sQ, sK0, sK1, sS0, sS1, sS0b,
                 k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, split, token, h_blk, num_iters, wg,
                 idx_in_wg, dev.smem_addr_u32(sQ_ptr), dev.smem_addr_u32(storage.sStats.data_ptr()),
             )
@@ -344,6 +357,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         sK1: cute.Tensor,
         sS0: cute.Tensor,
         sS1: cute.Tensor,
+        sS0b,
         k0l: cutlass.Constexpr,
         k0r: cutlass.Constexpr,
         k1l: cutlass.Constexpr,
@@ -362,9 +376,9 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
     ):
         """WG0 / WG1: the forward's paired-block schedule (``common/decode_device.py``), then the
         epilogue (``x_addr`` / ``stats_addr``: where a cluster CTA stages its partial)."""
-        c = dd.PairedBlockConsumer(sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, self.d_qk, self.d_v)
+        c = dd.PairedBlockConsumer(sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, self.d_qk, self.d_v, sS0b)
         c.loop(sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, BAR_S0_READY, BAR_S1_READY,
-               num_iters, wg, scale_log2)
+               num_iters, wg, scale_log2, self.ring_alt)
         self._epilogue(mSink, mO, mLse, mML, flags, sL, c.acc_o, c.rM, c.rL, split, token, h_blk, wg, idx_in_wg,
                        c.row0, c.row1, c.lane_quad, x_addr, stats_addr)
 
