@@ -130,7 +130,11 @@ KERNELS = {
 #: (kernel family, barrier id) -> (most BAR.SYNC addresses, why that is safe).  Only ids synced by
 #: the same threads, in the same order, at every address: each barrier instance then completes
 #: at one instruction.  The sm100 kernels need none.
-DOCUMENTED = {}  # every kernel keeps one bar.sync address per id
+_RING = ("the alternating KV ring traces the pair loop once per parity; each body's P-landed "
+         "barrier is synced by the same warpgroup (WG1: BAR_S0_READY, WG0: BAR_S1_READY), whose 128 "
+         "threads run the bodies in turn, and arrived on by the other at the matching body: every "
+         "instance completes at one instruction (synccheck clean: tools/sanitize.py)")
+DOCUMENTED = {("sm90_fwd", 3): (2, _RING), ("sm90_fwd", 4): (2, _RING)}
 
 
 def dynamic_ids(family: str):

@@ -26,7 +26,8 @@ def sm90_report():
     # shared with tests/test_barrier_rule.py (one compile per kernel per session)
     from conftest import compile_records
 
-    return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads",
+    return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_fwd_d576_h128_fixed",
+                                      "sm90_attn_dist_d576_h128_heads",
                                       "sm90_attn_dist_d576_h128_heads_persist",
                                       "sm90_attn_dist_d576_h128_heads_persist_qscalar",
                                       "sm90_attn_dist_d576_h128_heads_persist_qring",
@@ -57,6 +58,26 @@ def test_sm90_forward_compiles_with_hgmma_and_no_spills(sm90_report):
     # epilogue (issue 14): O per 64-column tile (4 TMA stores per WG, one code path), lse and
     # max_logits by two bulk copies instead of scalar stores
     assert r["sass"].get("UTMASTG.3D", 0) == 4 and r["sass"].get("UBLKCP.G.S", 0) == 2
+
+
+def test_sm90_forward_rings(sm90_report):
+    """The alternating KV ring (the default, MLA_KERNELS_FWD_RING=alt) traces the pair loop once per
+    parity: twice the fixed ring's loop products (QK 36 per body and warpgroup, WG0's prologue once;
+    PV 4 per product) and gather copies, the same registers, smem and epilogue, no spills."""
+    from mla_kernels.sm90.fwd import BAR_S0_READY, BAR_S1_READY
+
+    alt, fixed = sm90_report["sm90_fwd_d576_h128"], sm90_report["sm90_fwd_d576_h128_fixed"]
+    assert alt["spill_bytes"] == fixed["spill_bytes"] == 0 and alt["smem_bytes"] == fixed["smem_bytes"]
+    if alt["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    for r, bodies in ((fixed, 1), (alt, 2)):
+        assert r["sass"].get("HGMMA.64x64x16.F32.BF16", 0) == 36 * (1 + 2 * bodies)
+        assert r["sass"].get("HGMMA.64x256x16.F32.BF16", 0) == 16 * bodies
+        assert r["sass_base"].get("LDGSTS", 0) == 72 * bodies
+        assert r["sass"].get("UTMASTG.3D", 0) == 4
+    rep = compile_report.bar_sync_repeats(alt["barriers"])
+    assert set(rep) == {BAR_S0_READY, BAR_S1_READY} and all(len(a) == 2 for a in rep.values())
+    assert compile_report.bar_sync_repeats(fixed["barriers"]) == {}
 
 
 @pytest.mark.parametrize("name", ["sm90_attn_dist_d576_h128_heads", "sm90_attn_dist_d576_h128_heads_persist",

@@ -193,6 +193,23 @@ def test_backend_for_reports_kernel(gpu_like):
     assert mk.backend_for("cpu") == "sm90"
 
 
+def test_fwd_ring_env(monkeypatch):
+    """MLA_KERNELS_FWD_RING: unset -- the alternating KV ring; 'fixed' / 'alt' (whitespace
+    stripped); anything else a clear error.  The forward's compile cache key names the ring only
+    when it is not the default."""
+    pytest.importorskip("cutlass", reason="the sm90 backend module imports the CuTe DSL")
+    from mla_kernels.sm90 import fwd_ring
+
+    monkeypatch.delenv("MLA_KERNELS_FWD_RING", raising=False)
+    assert fwd_ring() == "alt"
+    for env, want in (("fixed", "fixed"), (" alt ", "alt")):
+        monkeypatch.setenv("MLA_KERNELS_FWD_RING", env)
+        assert fwd_ring() == want
+    monkeypatch.setenv("MLA_KERNELS_FWD_RING", "deep")
+    with pytest.raises(ValueError, match="MLA_KERNELS_FWD_RING='deep': expected one of fixed, alt"):
+        fwd_ring()
+
+
 def test_attn_dist_ctas_env(monkeypatch):
     """The sm90 attention distribution's grid: unset or 'auto' -- the SM count with more items than
     SMs (tokens mode: only with Q through the ring), else one CTA per item; '0' -- one CTA per item;

@@ -126,3 +126,27 @@ def test_fwd_more_than_65535_queries(monkeypatch):
         valid = ref.valid_mask(case.indices[sl], 500)
         empty = (~valid.any(dim=-1))[:, None].expand(-1, 64)
         assert_close_fwd(out[sl], ml[sl], lse[sl], want, empty=empty)
+
+
+@pytest.mark.parametrize("h_q,d_qk,topk,tl,sink", [
+    (128, 576, 640, False, None),  # 5 block pairs: the alternating loop ends in an even body
+    (64, 576, 512, True, "finite"),  # 4 pairs, rows of 0..512 slots
+    (128, 512, 192, True, "finite"),  # d_qk 512 (WG0's P outside the RoPE tile), 2 pairs, the last half empty
+])
+def test_fwd_rings_are_bitwise_equal(h_q, d_qk, topk, tl, sink, monkeypatch):
+    """MLA_KERNELS_FWD_RING=alt (the right halves of the two KV buffers trade owners every block
+    pair) gives bit for bit the fixed ring's out, max_logits and lse, and both match the reference
+    (invalid and duplicate slots, empty rows; outputs compared after a poisoned first call)."""
+    case = make_case(213, h_q, d_qk, 1840, topk, device="cuda", invalid_frac=0.1, empty_rows=2, topk_length=tl,
+                     sink=sink)
+    res = {}
+    for ring in ("alt", "fixed"):
+        monkeypatch.setenv("MLA_KERNELS_FWD_RING", ring)
+        run_and_check(case, monkeypatch)
+        res[ring] = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, case.d_v, case.topk_length,
+                                      case.attn_sink)
+    for a, b in zip(res["fixed"], res["alt"]):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("MLA_KERNELS_FWD_RING", "bogus")
+    with pytest.raises(ValueError, match="MLA_KERNELS_FWD_RING"):
+        mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, case.d_v)

@@ -10,8 +10,9 @@ Kernel names say the static configuration: ``<arch>_<op>_d<d_qk>_h<h_q>`` then `
 persistent grid, compiled for 132 SMs), ``_qscalar`` (Q by 4-byte loads instead of the default
 16-byte loads and quad shuffles), ``_qring`` (Q through the KV ring, ldmatrix into registers),
 ``_oregs`` (decode's direct mode storing O from registers instead of bulk copies of smem-staged rows),
-``_ring`` / ``_fixed`` (decode's KV ring when it is not the mode's default: the alternating ring is
-the default in direct mode, the fixed one in split mode; ``MLA_KERNELS_DECODE_RING``).
+``_ring`` / ``_fixed`` (the KV ring when it is not the kernel's default: the alternating ring is
+the forward's and decode's direct mode's default, the fixed one decode's split mode's;
+``MLA_KERNELS_FWD_RING``, ``MLA_KERNELS_DECODE_RING``).
 
 Per kernel: ``name``, ``arch``, ``registers``, ``spill_bytes`` (stores + loads), ``stack_bytes``,
 ``smem_bytes`` (dynamic smem of the launch), ``sass`` (instruction counts by full opcode, the
@@ -63,6 +64,7 @@ def kernels_for(arch):
             ("sm90_fwd_d576_h128", lambda a, **kw: compile_fwd(576, 128, False, False, a, **kw)),
             ("sm90_fwd_d576_h128_topklen_sink", lambda a, **kw: compile_fwd(576, 128, True, True, a, **kw)),
             ("sm90_fwd_d512_h64", lambda a, **kw: compile_fwd(512, 64, False, False, a, **kw)),
+            ("sm90_fwd_d576_h128_fixed", lambda a, **kw: compile_fwd(576, 128, False, False, a, ring_alt=False, **kw)),
             ("sm90_attn_dist_d576_h128_heads", lambda a, **kw: compile_attn_dist(576, 128, False, False, a, **kw)),
             ("sm90_attn_dist_d576_h128_heads_persist",
              lambda a, **kw: compile_attn_dist(576, 128, False, False, a, ctas=132, **kw)),

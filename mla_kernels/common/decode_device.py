@@ -10,8 +10,8 @@ CuTe DSL.  Kernel files must not import each other, so what both need lives here
   which CTA arrives last.
 * :func:`tiled_mma` / :func:`issue_mma` -- the wgmma issue loop both kernels use (sm_90a).
 * :class:`PairedBlockConsumer` / :func:`paired_producer_loop` -- the 64-head kernel's main loop:
-  the prefill forward's paired-block schedule (``sm90/fwd.py`` keeps its own copy: the forward's
-  owner may switch it to this one).
+  the paired-block schedule, whose consumer side the prefill forward (``sm90/fwd.py``) shares (its
+  producer, with the indices fetched a pair ahead, stays there).
 * :class:`DecodeContract` / :class:`FusedDecodeContract` -- the host entry points of the
   argument contract (``common/decode_host.py``) both kernels share, :func:`flat_views` (the cache
   as rows, the indices as tokens), :func:`cta_coords`, :func:`store_lse_ml` (one head's lse and
@@ -183,8 +183,8 @@ B_TOPK = 64  # slots per block
 
 
 class PairedBlockConsumer:
-    """The two consumer warpgroups of the 64-head decode CTA: the prefill forward's paired-block
-    schedule (``sm90/fwd.py``, whose copy stays there): blocks in pairs, WG0 owns output columns
+    """The two consumer warpgroups of the 64-head decode CTA and of the prefill forward
+    (``sm90/fwd.py``): the paired-block schedule -- blocks in pairs, WG0 owns output columns
     ``0 .. d_v/2``, WG1 the rest; WG0 finds block 0's row max, WG1 block 1's final max (exchanged
     through ``sM0`` / ``sM1`` with :class:`~mla_kernels.common.device.PhaseSignal`), each WG's P
     goes to the other through smem (``sS0`` / ``sS1``, named barriers ``bar_s0`` / ``bar_s1``).

@@ -26,12 +26,30 @@ __all__ = [
 ]
 
 
-def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_90a", **kw):
-    """Compile the sm90 forward for one static configuration (no GPU needed)."""
+def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_90a",
+                ring_alt: bool = True, **kw):
+    """Compile the sm90 forward for one static configuration (no GPU needed); ``ring_alt``: the
+    alternating KV ring (:func:`fwd_ring`)."""
     from .fwd import SparseMlaFwdSm90
 
     kernel = SparseMlaFwdSm90(d_qk, 512, has_topk_length, has_sink)
+    kernel.ring_alt = bool(ring_alt)
     return kernel, _compile.compile_kernel(kernel, *fwd_fake_args(d_qk, h_q), arch=arch, **kw)
+
+
+FWD_RINGS = ("fixed", "alt")
+
+
+def fwd_ring() -> str:
+    """The forward's KV ring, read per call: ``MLA_KERNELS_FWD_RING`` = ``alt`` (default: the right
+    halves of the two buffers swap owners every block pair, as in decode's direct mode --
+    ``common/decode_device.PairedBlockConsumer.loop``; H200, interleaved: 1.2-2.8% faster at h_q
+    128 s_kv 8k / 32k and h_q 64, docs/PERF.md) or ``fixed`` (block 0 of every pair in buffer 0).
+    Bit for bit the same outputs."""
+    v = fastpath.knob("MLA_KERNELS_FWD_RING", "alt").strip()
+    if v not in FWD_RINGS:
+        raise ValueError(f"MLA_KERNELS_FWD_RING={v!r}: expected one of {', '.join(FWD_RINGS)}")
+    return v
 
 
 def attn_dist_mode(h_q: int) -> str:
@@ -184,8 +202,9 @@ class Sm90Backend(CuteKernelBackend):
     def fwd_kernel(self, p: Problem):
         arch = _compile.arch_for_device(p.device)
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
-        return cached(("SparseMlaFwdSm90", p.d_qk, p.h_q, has_tl, has_sink, arch),
-                      lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch))
+        ring = fwd_ring()
+        key = ("SparseMlaFwdSm90", p.d_qk, p.h_q, has_tl, has_sink, arch) + (() if ring == "alt" else (ring,))
+        return cached(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch, ring_alt=ring == "alt"))
 
     # -- decode and merge (common/decode_host.py) ------------------------------------------------
     def supports(self, op, p):

@@ -25,8 +25,16 @@ store of that tile that runs while the next tile is written; lse and max_logits 
 smem and leave by two 256-byte bulk copies.  Softmax runs in base 2 with ``sm_scale * log2(e)`` folded into
 one FFMA; ``lse``/``max_logits`` are converted back to natural-log units at the end.
 
-For d_qk = 576 WG0's P for WG1 lives in buffer 0's RoPE tile (free once S0 is computed), which is
-what lets Q + two 576-wide buffers fit in 227 KB of smem.
+For d_qk = 576 WG0's P for WG1 lives in the RoPE tile of its block (free once S0 is computed), which
+is what lets Q + two 576-wide buffers fit in 227 KB of smem.
+
+The consumers' loop is ``common/decode_device.PairedBlockConsumer`` (shared with decode's 64-head
+kernel).  With the alternating ring (``ring_alt``, the default) the right halves (k-tiles 4..) of
+the two buffers trade owners every pair: WG0's next block lies in the two halves freed early in the
+current pair (after the products with the freeing warpgroup's own P), WG1's in the two freed last,
+so WG0's QK product never waits for copies issued at the end of a pair.  The loop is then traced
+once per parity: each warpgroup's P-landed barrier (WG1: ``BAR_S0_READY``, WG0: ``BAR_S1_READY``)
+is synced at two addresses, one per body, by the same 128 threads in turn.
 
 Synchronisation (clean under compute-sanitizer racecheck and synccheck): the KV halves are guarded
 by ready/free mbarriers; the row-max exchange uses two arrays (``sM0`` written only by WG0,
@@ -44,11 +52,10 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..common import decode_device as dd
 from ..common import device as dev
 from ..common.gather import KvGather
 from .. import tma
@@ -81,6 +88,10 @@ class SparseMlaFwdSm90:
         self.n_k_tiles = d_qk // 64  # 9 or 8 k-tiles of 64 columns
         self.n_left = (d_v // 2) // 64  # 4: tiles of V's left half (WG0's output columns)
         self.s0_in_rope = d_qk == 576
+        # the alternating KV ring (common/decode_device.PairedBlockConsumer.loop(alt=True)): the
+        # right halves of the two buffers swap owners every block pair; set by compile_fwd
+        # (MLA_KERNELS_FWD_RING; default on)
+        self.ring_alt = False
         # setmaxnreg budget: 2*consumer + producer must not exceed the launch allocation of
         # 168 regs x 384 threads (= 504 per thread-slot of a warpgroup), or the increase blocks.
         self.regs_consumer = 216
@@ -217,10 +228,14 @@ class SparseMlaFwdSm90:
         sK1 = storage.sK1.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sS1 = storage.sS1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sS0 = None
+        sS0b = None
         if const_expr(self.s0_in_rope):
             # buffer 0's RoPE tile (k-tile 8): free once WG0's S0 = Q K0^T is complete
             s0_ptr = storage.sK0.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
             sS0 = cute.make_tensor(cute.recast_ptr(s0_ptr, sP_layout.inner), sP_layout.outer)
+            if const_expr(self.ring_alt):  # odd pairs: WG0's block has its RoPE tile in buffer 1
+                s0b_ptr = storage.sK1.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
+                sS0b = cute.make_tensor(cute.recast_ptr(s0b_ptr, sP_layout.inner), sP_layout.outer)
         else:
             sS0 = storage.sS0.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
@@ -258,7 +273,7 @@ class SparseMlaFwdSm90:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
                 mSink, mMaxLogits, mLse, scale_log2, tma_atom_o, tma_o, sO_tile_layout,
-                sQ_ptr, sValid, sM0, sM1, sL, sOut, sQ, sK0, sK1, sS0, sS1, bar_q, k0l, k0r, k1l, k1r,
+                sQ_ptr, sValid, sM0, sM1, sL, sOut, sQ, sK0, sK1, sS0, sS1, sS0b, bar_q, k0l, k0r, k1l, k1r,
                 bar_valid, max0_ready, max1_ready, s_idx, h_blk, num_iters, wg, idx_in_wg, warp_idx % 4,
             )
 
@@ -304,32 +319,69 @@ class SparseMlaFwdSm90:
             gather.fetch_raw(raw, 0, 0)
             gather.fetch_raw(raw, 1, 1)
             raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(vblk))
-        for it in cutlass.range(num_iters, unroll=1):
-            parity = it & 1
-            gather.indices_from_raw(raw, 2 * it, 0)
-            gather.indices_from_raw(raw, 2 * it + 1, 1)
-            vslot = gather.vote_slot(2 * it + vblk)
-            bits = gather.vote_from_raw(raw[2 * rpt], vslot)
-            # Next iteration's indices (slots past topk read a clamped slot; never used past the end).
-            gather.fetch_raw(raw, 2 * it + 2, 0)
-            gather.fetch_raw(raw, 2 * it + 3, 1)
-            raw[2 * rpt] = gather.fetch_slot(vslot + 2 * B_TOPK)
-            k0l.wait_free(parity)
-            gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
-            k0l.commit_cp_async()
+        if const_expr(self.ring_alt):
+            for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
+                it = 2 * it2
+                self._producer_pair(gather, raw, it, 0, False, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r,
+                                    bar_valid, ptid, warp_in_wg)
+                if it + 1 < num_iters:
+                    self._producer_pair(gather, raw, it + 1, 1, True, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l,
+                                        k1r, bar_valid, ptid, warp_in_wg)
+        else:
+            for it in cutlass.range(num_iters, unroll=1):
+                self._producer_pair(gather, raw, it, it & 1, False, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r,
+                                    bar_valid, ptid, warp_in_wg)
+
+    @cute.jit
+    def _producer_pair(self, gather, raw, it: Int32, parity, odd: cutlass.Constexpr, sK0_addr, sK1_addr, sValid,
+                       k0l: cutlass.Constexpr, k0r: cutlass.Constexpr, k1l: cutlass.Constexpr,
+                       k1r: cutlass.Constexpr, bar_valid, ptid: Int32, warp_in_wg: Int32):
+        """Block pair ``it``: blocks ``2 it`` (WG0's) and ``2 it + 1`` (WG1's).  The fixed ring
+        fills 0L, 1R, 0R, 1L; the alternating one (``odd``: the right halves traded) left 0,
+        WG0's right, WG1's right, left 1.  The masks go out after the second free wait: by then
+        WG0 has released its left half and WG1 its own right half, each after reading its mask."""
+        rpt = gather.rows_per_thread
+        vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
+        gather.indices_from_raw(raw, 2 * it, 0)
+        gather.indices_from_raw(raw, 2 * it + 1, 1)
+        vslot = gather.vote_slot(2 * it + vblk)
+        bits = gather.vote_from_raw(raw[2 * rpt], vslot)
+        # Next iteration's indices (slots past topk read a clamped slot; never used past the end).
+        gather.fetch_raw(raw, 2 * it + 2, 0)
+        gather.fetch_raw(raw, 2 * it + 3, 1)
+        raw[2 * rpt] = gather.fetch_slot(vslot + 2 * B_TOPK)
+        k0l.wait_free(parity)
+        gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
+        k0l.commit_cp_async()
+        if const_expr(self.ring_alt and not odd):
+            k0r.wait_free(parity)
+        else:
             k1r.wait_free(parity)
-            # Both consumers have read the previous masks (WG0 before releasing k0l, WG1 before k1r).
-            if ptid % 32 == 0:
-                sValid[warp_in_wg] = bits
-                cute.arch.mbarrier_arrive(bar_valid)
+        # Both consumers have read the previous masks (WG0 before releasing k0l, WG1 before its own right half).
+        if ptid % 32 == 0:
+            sValid[warp_in_wg] = bits
+            cute.arch.mbarrier_arrive(bar_valid)
+        if const_expr(not self.ring_alt):
             gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
             k1r.commit_cp_async()
             k0r.wait_free(parity)
             gather.copy_tiles(sK0_addr, 0, self.n_left, self.n_k_tiles)
             k0r.commit_cp_async()
-            k1l.wait_free(parity)
-            gather.copy_tiles(sK1_addr, 1, 0, self.n_left)
-            k1l.commit_cp_async()
+        elif const_expr(odd):
+            gather.copy_tiles(sK1_addr, 0, self.n_left, self.n_k_tiles)
+            k1r.commit_cp_async()
+            k0r.wait_free(parity)
+            gather.copy_tiles(sK0_addr, 1, self.n_left, self.n_k_tiles)
+            k0r.commit_cp_async()
+        else:
+            gather.copy_tiles(sK0_addr, 0, self.n_left, self.n_k_tiles)
+            k0r.commit_cp_async()
+            k1r.wait_free(parity)
+            gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
+            k1r.commit_cp_async()
+        k1l.wait_free(parity)
+        gather.copy_tiles(sK1_addr, 1, 0, self.n_left)
+        k1l.commit_cp_async()
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -353,6 +405,7 @@ class SparseMlaFwdSm90:
         sK1: cute.Tensor,
         sS0: cute.Tensor,
         sS1: cute.Tensor,
+        sS0b,
         bar_q,
         k0l: cutlass.Constexpr,
         k0r: cutlass.Constexpr,
@@ -368,177 +421,17 @@ class SparseMlaFwdSm90:
         idx_in_wg: Int32,
         warp_in_wg: Int32,
     ):
-        """WG0 / WG1: QK^T, online softmax, PV, epilogue."""
-        d_v = self.d_v
-        mma_qk = self._mma_qk()
-        mma_pv_rs = self._mma_pv(rs=True)
-        mma_pv_ss = self._mma_pv(rs=False)
-        thr_qk = mma_qk.get_slice(idx_in_wg)
-        thr_rs = mma_pv_rs.get_slice(idx_in_wg)
-        thr_ss = mma_pv_ss.get_slice(idx_in_wg)
-        lane_quad = idx_in_wg % 4
-        row0 = dev.fragment_row(idx_in_wg, 0)
-        row1 = dev.fragment_row(idx_in_wg, 1)
-
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK0 = thr_qk.make_fragment_B(thr_qk.partition_B(sK0))
-        tSrK1 = thr_qk.make_fragment_B(thr_qk.partition_B(sK1))
-        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((B_H, B_TOPK)))
-        acc_o = thr_rs.make_fragment_C(thr_rs.partition_shape_C((B_H, d_v // 2)))
-        acc_o.fill(0.0)
-        tOrP = thr_rs.make_fragment_A(thr_rs.partition_shape_A((B_H, B_TOPK)))
-        tOrP_acc = cute.make_tensor(tOrP.iterator, acc_s.layout)  # P in the accumulator's order
-
-        # V^T views (d_v/2 x 64 tokens, MN-major) of this WG's half of each KV buffer.
-        vt_layout = cute.select(sK0.layout, mode=[1, 0])
-        sVt0 = cute.local_tile(cute.make_tensor(sK0.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
-        sVt1 = cute.local_tile(cute.make_tensor(sK1.iterator, vt_layout), (d_v // 2, B_TOPK), (wg, 0))
-        tOrV0_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt0))
-        tOrV1_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt1))
-        tOrV0_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt0))
-        tOrV1_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt1))
-        tOrS0 = thr_ss.make_fragment_A(thr_ss.partition_A(sS0))
-        tOrS1 = thr_ss.make_fragment_A(thr_ss.partition_A(sS1))
-
-        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        thr_st_p = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(idx_in_wg)
-        tPsS0 = thr_st_p.partition_D(sS0)
-        tPsS1 = thr_st_p.partition_D(sS1)
-        tPrP = thr_st_p.retile(tOrP_acc)
-
-        rM = cute.make_rmem_tensor((2,), Float32)
-        rL = cute.make_rmem_tensor((2,), Float32)
-        rM.fill(dev.MAX_INIT)
-        rL.fill(0.0)
-
+        """WG0 / WG1: QK^T, online softmax, PV (the paired-block schedule of
+        ``common/decode_device.PairedBlockConsumer``), epilogue."""
+        c = dd.PairedBlockConsumer(sQ, sK0, sK1, sS0, sS1, idx_in_wg, wg, self.d_qk, self.d_v, sS0b)
         cute.arch.mbarrier_wait(bar_q, 0)
-
-        if wg == 0:
-            if num_iters > 0:
-                k0l.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
-                k0r.wait_ready(0)
-                self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
-                cute.nvgpu.warpgroup.wait_group(0)
-            for it in cutlass.range(num_iters, unroll=1):
-                parity = it & 1
-                cute.arch.mbarrier_wait(bar_valid, parity)
-                dev.mask_scores(acc_s, sValid[0], sValid[1], lane_quad)
-                # Online softmax of block 0 against WG0's running max; publish the max.
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])
-                if lane_quad == 0:
-                    sM0[row0] = rM[0]
-                    sM0[row1] = rM[1]
-                max0_ready.arrive()
-                # O_left += P0 V0_left (P0 from registers)
-                tOrP_acc.store(acc_s.load().to(BFloat16))
-                self._pv(True, acc_o, tOrP, tOrV0_rs)
-                cute.nvgpu.warpgroup.wait_group(0)
-                k0l.release()
-                # Final max from WG1: rescale P0, hand it to WG1 through smem.
-                max1_ready.wait(parity)
-                m0 = sM1[row0]
-                m1 = sM1[row1]
-                sf0 = cute.math.exp2(rM[0] - m0, fastmath=True)
-                sf1 = cute.math.exp2(rM[1] - m1, fastmath=True)
-                rM[0] = m0
-                rM[1] = m1
-                dev.scale_rows(acc_s, sf0, sf1)
-                tOrP_acc.store(acc_s.load().to(BFloat16))
-                cute.copy(thr_st_p, tPrP, tPsS0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=BAR_S0_READY, number_of_threads=256)
-                # O_left += P1 V1_left (P1 from WG1 through smem)
-                cute.arch.barrier(barrier_id=BAR_S1_READY, number_of_threads=256)
-                dev.scale_rows(acc_o, sf0, sf1)
-                rL[0] = rL[0] * sf0
-                rL[1] = rL[1] * sf1
-                self._pv(False, acc_o, tOrS1, tOrV1_ss)
-                if it + 1 < num_iters:
-                    nparity = parity ^ 1
-                    k0l.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrK0, 0, self.n_left, True)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    k1l.release()
-                    k0r.wait_ready(nparity)
-                    self._qk(acc_s, tSrQ, tSrK0, self.n_left, self.n_k_tiles, False)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    k1l.release()
-        else:
-            for it in cutlass.range(num_iters, unroll=1):
-                parity = it & 1
-                k1r.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrK1, self.n_left, self.n_k_tiles, True)
-                k1l.wait_ready(parity)
-                self._qk(acc_s, tSrQ, tSrK1, 0, self.n_left, False)
-                cute.nvgpu.warpgroup.wait_group(0)
-                cute.arch.mbarrier_wait(bar_valid, parity)
-                dev.mask_scores(acc_s, sValid[2], sValid[3], lane_quad)
-                # Online softmax of block 1 against max(WG0's max, own); publish the final max.
-                max0_ready.wait(parity)
-                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])
-                if lane_quad == 0:
-                    sM1[row0] = rM[0]
-                    sM1[row1] = rM[1]
-                max1_ready.arrive()
-                # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
-                tOrP_acc.store(acc_s.load().to(BFloat16))
-                self._pv(True, acc_o, tOrP, tOrV1_rs)
-                cute.copy(thr_st_p, tPrP, tPsS1)
-                cute.arch.barrier(barrier_id=BAR_S0_READY, number_of_threads=256)
-                self._pv(False, acc_o, tOrS0, tOrV0_ss)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=BAR_S1_READY, number_of_threads=256)
-                cute.nvgpu.warpgroup.wait_group(1)
-                k1r.release()
-                cute.nvgpu.warpgroup.wait_group(0)
-                k0r.release()
-
+        c.loop(sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, BAR_S0_READY, BAR_S1_READY,
+               num_iters, wg, scale_log2, self.ring_alt)
         self._epilogue(
-            mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, mma_qk, sO_tile_layout, sQ_ptr,
-            sL, sOut, acc_s, acc_o, rM, rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, row0, row1, lane_quad,
+            mSink, mMaxLogits, mLse, tma_atom_o, tma_o, c.mma_rs, c.mma_qk, sO_tile_layout, sQ_ptr,
+            sL, sOut, c.acc_s, c.acc_o, c.rM, c.rL, s_idx, h_blk, wg, idx_in_wg, warp_in_wg, c.row0, c.row1,
+            c.lane_quad,
         )
-
-    def _mma_qk(self):
-        """S = Q K^T: 64 heads x 64 tokens, both operands K-major in smem."""
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (B_H, B_TOPK)
-        )
-
-    def _mma_pv(self, rs: bool):
-        """O += P V: 64 heads x d_v/2 columns; P from registers (rs) or smem, V^T MN-major in smem."""
-        src = warpgroup.OperandSource.RMEM if rs else warpgroup.OperandSource.SMEM
-        return sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-            (B_H, self.d_v // 2), src,
-        )
-
-    # The ACCUMULATE field is set on a fresh tiled MMA per call: a field set inside one staged
-    # region must not leak into another.
-    @cute.jit
-    def _qk(self, acc_s, tSrQ, tSrK, t0: cutlass.Constexpr, t1: cutlass.Constexpr,
-            clear: cutlass.Constexpr):
-        """Issue (and commit) S (+)= Q[:, tiles t0..t1) K[:, tiles t0..t1)^T."""
-        mma_qk = self._mma_qk()
-        cute.nvgpu.warpgroup.fence()
-        for t in cutlass.range_constexpr(t0, t1):
-            for kk in cutlass.range_constexpr(4):
-                k = t * 4 + kk
-                mma_qk.set(warpgroup.Field.ACCUMULATE, not (clear and t == t0 and kk == 0))
-                cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-        cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _pv(self, rs: cutlass.Constexpr, acc_o, tA, tB):
-        """Issue (and commit) O += P V over the 64 tokens of a block."""
-        mma = self._mma_pv(rs)
-        cute.nvgpu.warpgroup.fence()
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(mma, acc_o, tA[None, None, k], tB[None, None, k], acc_o)
-        cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
     def _epilogue(self, mSink, mMaxLogits, mLse, tma_atom_o, tma_o, mma_pv_rs, mma_qk, sO_tile_layout, sQ_ptr,
