@@ -363,12 +363,10 @@ class PairedBlockConsumer:
             self.qk(self.tSrK0, 0, self.n_left, True)
             cute.nvgpu.warpgroup.wait_group(1)
             k1l.release()
-            if const_expr(next_odd):
-                k1r.wait_ready(nparity)
-                self.qk(self.tSrK1, self.n_left, self.n_k_tiles, False)
-            else:
-                k0r.wait_ready(nparity)
-                self.qk(self.tSrK0, self.n_left, self.n_k_tiles, False)
+            # the right half of the next pair's block: buffer 1's after an odd pair (alternating ring)
+            k_r, tSrK_r = (k1r, self.tSrK1) if const_expr(next_odd) else (k0r, self.tSrK0)
+            k_r.wait_ready(nparity)
+            self.qk(tSrK_r, self.n_left, self.n_k_tiles, False)
             cute.nvgpu.warpgroup.wait_group(0)
         else:
             cute.nvgpu.warpgroup.wait_group(0)
@@ -383,12 +381,13 @@ class PairedBlockConsumer:
         the peer's P0 against the right half of WG0's block."""
         acc_s, acc_o, rM, rL = self.acc_s, self.acc_o, self.rM, self.rL
         row0, row1 = self.row0, self.row1
-        if const_expr(odd):
-            k0r.wait_ready(parity)
-            self.qk(self.tSrK0, self.n_left, self.n_k_tiles, True)
-        else:
-            k1r.wait_ready(parity)
-            self.qk(self.tSrK1, self.n_left, self.n_k_tiles, True)
+        # own block's right half and the peer block's (they trade buffers in odd pairs)
+        k_own, tSrK_own, tOrV_own = (k0r, self.tSrK0, self.tOrV0_rs) if const_expr(odd) else (k1r, self.tSrK1,
+                                                                                               self.tOrV1_rs)
+        k_peer, tOrS_peer, tOrV_peer = (k1r, self.tOrS0b, self.tOrV1_ss) if const_expr(odd) else (k0r, self.tOrS0,
+                                                                                                   self.tOrV0_ss)
+        k_own.wait_ready(parity)
+        self.qk(tSrK_own, self.n_left, self.n_k_tiles, True)
         k1l.wait_ready(parity)
         self.qk(self.tSrK1, 0, self.n_left, False)
         cute.nvgpu.warpgroup.wait_group(0)
@@ -403,25 +402,16 @@ class PairedBlockConsumer:
         max1_ready.arrive()
         # O_right += P1 V1_right (registers), then hand P1 to WG1, O_right += P0 V0_right
         self.tOrP_acc.store(acc_s.load().to(BFloat16))
-        self.pv(True, self.tOrP, self.tOrV0_rs if const_expr(odd) else self.tOrV1_rs)
+        self.pv(True, self.tOrP, tOrV_own)
         cute.copy(self.thr_st_p, self.tPrP, self.tPsS1)
         cute.arch.barrier(barrier_id=bar_s0, number_of_threads=256)
-        if const_expr(odd):
-            self.pv(False, self.tOrS0b, self.tOrV1_ss)
-        else:
-            self.pv(False, self.tOrS0, self.tOrV0_ss)
+        self.pv(False, tOrS_peer, tOrV_peer)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier_arrive(barrier_id=bar_s1, number_of_threads=256)
         cute.nvgpu.warpgroup.wait_group(1)
-        if const_expr(odd):
-            k0r.release()
-        else:
-            k1r.release()
+        k_own.release()
         cute.nvgpu.warpgroup.wait_group(0)
-        if const_expr(odd):
-            k1r.release()
-        else:
-            k0r.release()
+        k_peer.release()
 
 
 @cute.jit
@@ -474,27 +464,16 @@ def _producer_pair(gather, sK0_addr: Int32, sK1_addr: Int32, sValid: cute.Tensor
     k0l.wait_free(parity)
     gather.copy_tiles(sK0_addr, 0, 0, n_left)
     k0l.commit_cp_async()
-    if const_expr(not alt):
-        k1r.wait_free(parity)
-        gather.copy_tiles(sK1_addr, 1, n_left, n_k_tiles)
-        k1r.commit_cp_async()
-        k0r.wait_free(parity)
-        gather.copy_tiles(sK0_addr, 0, n_left, n_k_tiles)
-        k0r.commit_cp_async()
-    elif const_expr(odd):
-        k1r.wait_free(parity)
-        gather.copy_tiles(sK1_addr, 0, n_left, n_k_tiles)
-        k1r.commit_cp_async()
-        k0r.wait_free(parity)
-        gather.copy_tiles(sK0_addr, 1, n_left, n_k_tiles)
-        k0r.commit_cp_async()
-    else:
-        k0r.wait_free(parity)
-        gather.copy_tiles(sK0_addr, 0, n_left, n_k_tiles)
-        k0r.commit_cp_async()
-        k1r.wait_free(parity)
-        gather.copy_tiles(sK1_addr, 1, n_left, n_k_tiles)
-        k1r.commit_cp_async()
+    # the two right halves, in the order they go free: (barrier, buffer, block slot)
+    rights = ((k1r, sK1_addr, 1), (k0r, sK0_addr, 0))  # fixed: block 1's (freed first), block 0's
+    if const_expr(alt):
+        # WG0's block (slot 0) in the half freed early, right 0 in even pairs, right 1 in odd ones
+        rights = ((k1r, sK1_addr, 0), (k0r, sK0_addr, 1)) if const_expr(odd) else ((k0r, sK0_addr, 0),
+                                                                                    (k1r, sK1_addr, 1))
+    for k_r, addr, slot in rights:
+        k_r.wait_free(parity)
+        gather.copy_tiles(addr, slot, n_left, n_k_tiles)
+        k_r.commit_cp_async()
     k1l.wait_free(parity)
     gather.copy_tiles(sK1_addr, 1, 0, n_left)
     k1l.commit_cp_async()

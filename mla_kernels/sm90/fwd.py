@@ -311,7 +311,9 @@ class SparseMlaFwdSm90:
         """The producer loop with the indices of iteration ``it + 1`` fetched into registers during
         iteration ``it`` (their latency hides behind the free-barrier waits), and the validity
         masks voted from registers and published once both consumers have released the pieces
-        they read the previous masks before (WG0: ``k0l``, WG1: ``k1r``)."""
+        they read the previous masks before (WG0: ``k0l``, WG1: the right half of its own block --
+        ``k1r``, or with the alternating ring ``k0r`` after odd pairs); ``ring_alt``: the pair
+        loop once per parity (:meth:`_producer_pair`)."""
         rpt = gather.rows_per_thread
         raw = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
         vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
@@ -353,32 +355,22 @@ class SparseMlaFwdSm90:
         k0l.wait_free(parity)
         gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
         k0l.commit_cp_async()
-        if const_expr(self.ring_alt and not odd):
-            k0r.wait_free(parity)
-        else:
-            k1r.wait_free(parity)
-        # Both consumers have read the previous masks (WG0 before releasing k0l, WG1 before its own right half).
-        if ptid % 32 == 0:
-            sValid[warp_in_wg] = bits
-            cute.arch.mbarrier_arrive(bar_valid)
-        if const_expr(not self.ring_alt):
-            gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
-            k1r.commit_cp_async()
-            k0r.wait_free(parity)
-            gather.copy_tiles(sK0_addr, 0, self.n_left, self.n_k_tiles)
-            k0r.commit_cp_async()
-        elif const_expr(odd):
-            gather.copy_tiles(sK1_addr, 0, self.n_left, self.n_k_tiles)
-            k1r.commit_cp_async()
-            k0r.wait_free(parity)
-            gather.copy_tiles(sK0_addr, 1, self.n_left, self.n_k_tiles)
-            k0r.commit_cp_async()
-        else:
-            gather.copy_tiles(sK0_addr, 0, self.n_left, self.n_k_tiles)
-            k0r.commit_cp_async()
-            k1r.wait_free(parity)
-            gather.copy_tiles(sK1_addr, 1, self.n_left, self.n_k_tiles)
-            k1r.commit_cp_async()
+        # the two right halves, in the order they go free: (barrier, buffer, block slot)
+        rights = ((k1r, sK1_addr, 1), (k0r, sK0_addr, 0))  # fixed: block 1's (freed first), block 0's
+        if const_expr(self.ring_alt):
+            # WG0's block (slot 0) in the half freed early, right 0 in even pairs, right 1 in odd ones
+            rights = ((k1r, sK1_addr, 0), (k0r, sK0_addr, 1)) if const_expr(odd) else ((k0r, sK0_addr, 0),
+                                                                                        (k1r, sK1_addr, 1))
+        for i, (k_r, addr, slot) in enumerate(rights):
+            k_r.wait_free(parity)
+            if const_expr(i == 0):
+                # Both consumers have read the previous masks (WG0 before releasing k0l, WG1 before
+                # its own right half, the first of these).
+                if ptid % 32 == 0:
+                    sValid[warp_in_wg] = bits
+                    cute.arch.mbarrier_arrive(bar_valid)
+            gather.copy_tiles(addr, slot, self.n_left, self.n_k_tiles)
+            k_r.commit_cp_async()
         k1l.wait_free(parity)
         gather.copy_tiles(sK1_addr, 1, 0, self.n_left)
         k1l.commit_cp_async()
