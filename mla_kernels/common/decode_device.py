@@ -178,6 +178,50 @@ def issue_mma(
     cute.nvgpu.warpgroup.commit_group()
 
 
+@cute.jit
+def for_pairs(num_iters: Int32, alt: cutlass.Constexpr, body: cutlass.Constexpr):
+    """Run ``body(it, parity, odd, next_odd)`` for the block pairs ``it < num_iters``: one traced
+    body with a dynamic parity (the fixed ring), or -- ``alt``, the alternating ring -- the loop
+    unrolled by two so that each parity's buffer choices are static (``odd``: this pair has its
+    right halves traded, ``next_odd``: the next one)."""
+    if const_expr(alt):
+        for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
+            it = 2 * it2
+            body(it, 0, False, True)
+            if it + 1 < num_iters:
+                body(it + 1, 1, True, False)
+    else:
+        for it in cutlass.range(num_iters, unroll=1):
+            body(it, it & 1, False, False)
+
+
+def right_halves(k0r, k1r, sK0_addr, sK1_addr, alt: bool, odd: bool):
+    """The producer's order of a pair's two right halves (k-tiles ``n_left..``), the order they go
+    free: ``(barrier, buffer address, block slot)`` -- slot 0 is WG0's block, 1 WG1's.  Fixed ring:
+    WG1's (buffer 1, freed first), then WG0's (buffer 0).  Alternating ring: WG0's block in the
+    half freed early (buffer 0 in even pairs, 1 in odd ones), then WG1's."""
+    if not alt:
+        return ((k1r, sK1_addr, 1), (k0r, sK0_addr, 0))
+    if odd:
+        return ((k1r, sK1_addr, 0), (k0r, sK0_addr, 1))
+    return ((k0r, sK0_addr, 0), (k1r, sK1_addr, 1))
+
+
+def p0_tiles(storage, sP_layout, n_k_tiles: int, s0_in_rope: bool, alt: bool):
+    """``(sS0, sS0b)``: where WG0 hands P0 to WG1 in even / odd pairs.  At d_qk 576 the RoPE tile
+    (k-tile ``n_k_tiles - 1``) of WG0's block, free once its QK product is done: buffer 0's, and
+    with the alternating ring buffer 1's in odd pairs (``sS0b``; else None); at d_qk 512 the
+    kernel's own ``sS0`` buffer in every pair."""
+    if not s0_in_rope:
+        return storage.sS0.get_tensor(sP_layout.outer, swizzle=sP_layout.inner), None
+
+    def rope_tile(buf):
+        ptr = buf.data_ptr() + (n_k_tiles - 1) * B_TOPK * 64
+        return cute.make_tensor(cute.recast_ptr(ptr, sP_layout.inner), sP_layout.outer)
+
+    return rope_tile(storage.sK0), (rope_tile(storage.sK1) if alt else None)
+
+
 B_H = 64  # heads per CTA of the paired schedule (one wgmma M tile)
 B_TOPK = 64  # slots per block
 
@@ -289,31 +333,13 @@ class PairedBlockConsumer:
                 k0r.wait_ready(0)
                 self.qk(self.tSrK0, self.n_left, self.n_k_tiles, False)
                 cute.nvgpu.warpgroup.wait_group(0)
-            if const_expr(alt):
-                for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
-                    it = 2 * it2
-                    self._wg0_pair(it, num_iters, 0, False, True, sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid,
-                                   max0_ready, max1_ready, bar_s0, bar_s1, scale_log2)
-                    if it + 1 < num_iters:
-                        self._wg0_pair(it + 1, num_iters, 1, True, False, sValid, sM0, sM1, k0l, k0r, k1l, k1r,
-                                       bar_valid, max0_ready, max1_ready, bar_s0, bar_s1, scale_log2)
-            else:
-                for it in cutlass.range(num_iters, unroll=1):
-                    self._wg0_pair(it, num_iters, it & 1, False, False, sValid, sM0, sM1, k0l, k0r, k1l, k1r,
-                                   bar_valid, max0_ready, max1_ready, bar_s0, bar_s1, scale_log2)
+            for_pairs(num_iters, alt, lambda it, parity, odd, next_odd: self._wg0_pair(
+                it, num_iters, parity, odd, next_odd, sValid, sM0, sM1, k0l, k0r, k1l, k1r, bar_valid, max0_ready,
+                max1_ready, bar_s0, bar_s1, scale_log2))
         else:
-            if const_expr(alt):
-                for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
-                    it = 2 * it2
-                    self._wg1_pair(0, False, sValid, sM1, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, bar_s0,
-                                   bar_s1, scale_log2, sM0)
-                    if it + 1 < num_iters:
-                        self._wg1_pair(1, True, sValid, sM1, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready,
-                                       bar_s0, bar_s1, scale_log2, sM0)
-            else:
-                for it in cutlass.range(num_iters, unroll=1):
-                    self._wg1_pair(it & 1, False, sValid, sM1, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready,
-                                   bar_s0, bar_s1, scale_log2, sM0)
+            for_pairs(num_iters, alt, lambda it, parity, odd, next_odd: self._wg1_pair(
+                parity, odd, sValid, sM1, k0r, k1l, k1r, bar_valid, max0_ready, max1_ready, bar_s0, bar_s1,
+                scale_log2, sM0))
 
     @cute.jit
     def _wg0_pair(self, it: Int32, num_iters: Int32, parity, odd: cutlass.Constexpr, next_odd: cutlass.Constexpr,
@@ -439,18 +465,9 @@ def paired_producer_loop(
     each on ``bar_valid``.  ``alt`` (the consumers' alternating ring): in odd pairs the right
     halves of the two blocks trade buffers; the order is then left 0, WG0's right, WG1's right,
     left 1 (early frees first)."""
-    if const_expr(alt):
-        for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
-            it = 2 * it2
-            _producer_pair(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0 + 2 * it, 0,
-                           ptid, warp_in_wg, n_left, n_k_tiles, True, False)
-            if it + 1 < num_iters:
-                _producer_pair(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0 + 2 * it + 2,
-                               1, ptid, warp_in_wg, n_left, n_k_tiles, True, True)
-    else:
-        for it in cutlass.range(num_iters, unroll=1):
-            _producer_pair(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0 + 2 * it, it & 1,
-                           ptid, warp_in_wg, n_left, n_k_tiles, False, False)
+    for_pairs(num_iters, alt, lambda it, parity, odd, next_odd: _producer_pair(
+        gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, blk0 + 2 * it, parity, ptid, warp_in_wg,
+        n_left, n_k_tiles, alt, odd))
 
 
 @cute.jit
@@ -464,13 +481,7 @@ def _producer_pair(gather, sK0_addr: Int32, sK1_addr: Int32, sValid: cute.Tensor
     k0l.wait_free(parity)
     gather.copy_tiles(sK0_addr, 0, 0, n_left)
     k0l.commit_cp_async()
-    # the two right halves, in the order they go free: (barrier, buffer, block slot)
-    rights = ((k1r, sK1_addr, 1), (k0r, sK0_addr, 0))  # fixed: block 1's (freed first), block 0's
-    if const_expr(alt):
-        # WG0's block (slot 0) in the half freed early, right 0 in even pairs, right 1 in odd ones
-        rights = ((k1r, sK1_addr, 0), (k0r, sK0_addr, 1)) if const_expr(odd) else ((k0r, sK0_addr, 0),
-                                                                                    (k1r, sK1_addr, 1))
-    for k_r, addr, slot in rights:
+    for k_r, addr, slot in right_halves(k0r, k1r, sK0_addr, sK1_addr, alt, odd):
         k_r.wait_free(parity)
         gather.copy_tiles(addr, slot, n_left, n_k_tiles)
         k_r.commit_cp_async()

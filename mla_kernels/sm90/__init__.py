@@ -27,17 +27,18 @@ __all__ = [
 
 
 def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_90a",
-                ring_alt: bool = True, **kw):
+                ring_alt: Optional[bool] = None, **kw):
     """Compile the sm90 forward for one static configuration (no GPU needed); ``ring_alt``: the
-    alternating KV ring (:func:`fwd_ring`)."""
+    alternating KV ring (None: :data:`DEFAULT_FWD_RING`, see :func:`fwd_ring`)."""
     from .fwd import SparseMlaFwdSm90
 
     kernel = SparseMlaFwdSm90(d_qk, 512, has_topk_length, has_sink)
-    kernel.ring_alt = bool(ring_alt)
+    kernel.ring_alt = DEFAULT_FWD_RING == "alt" if ring_alt is None else bool(ring_alt)
     return kernel, _compile.compile_kernel(kernel, *fwd_fake_args(d_qk, h_q), arch=arch, **kw)
 
 
 FWD_RINGS = ("fixed", "alt")
+DEFAULT_FWD_RING = "alt"
 
 
 def fwd_ring() -> str:
@@ -46,7 +47,7 @@ def fwd_ring() -> str:
     ``common/decode_device.PairedBlockConsumer.loop``; H200, interleaved: 1.2-2.8% faster at h_q
     128 s_kv 8k / 32k and h_q 64, docs/PERF.md) or ``fixed`` (block 0 of every pair in buffer 0).
     Bit for bit the same outputs."""
-    v = fastpath.knob("MLA_KERNELS_FWD_RING", "alt").strip()
+    v = fastpath.knob("MLA_KERNELS_FWD_RING", DEFAULT_FWD_RING).strip()
     if v not in FWD_RINGS:
         raise ValueError(f"MLA_KERNELS_FWD_RING={v!r}: expected one of {', '.join(FWD_RINGS)}")
     return v
@@ -203,7 +204,9 @@ class Sm90Backend(CuteKernelBackend):
         arch = _compile.arch_for_device(p.device)
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
         ring = fwd_ring()
-        key = ("SparseMlaFwdSm90", p.d_qk, p.h_q, has_tl, has_sink, arch) + (() if ring == "alt" else (ring,))
+        # (the default ring keeps the kernel's cache key)
+        key = ("SparseMlaFwdSm90", p.d_qk, p.h_q, has_tl, has_sink, arch)
+        key = key + (() if ring == DEFAULT_FWD_RING else (ring,))
         return cached(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch, ring_alt=ring == "alt"))
 
     # -- decode and merge (common/decode_host.py) ------------------------------------------------

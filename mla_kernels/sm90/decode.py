@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..common import cluster_merge as cm
 from ..common import decode_device as dd
+from ..common import decode_host as dh
 from ..common import decode_parts as dp
 from ..common import device as dev
 
@@ -96,10 +97,9 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_O)
         self.o_bulk = True
         # the alternating KV ring (``PairedBlockConsumer.loop(alt=True)``): the right halves of
-        # the two buffers swap owners every block pair.  Default: direct mode only (a CTA runs a
-        # whole request; split CTAs run 4-8 blocks), decode_host.ring_for's rule; set by
-        # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_RING)
-        self.ring_alt = not split
+        # the two buffers swap owners every block pair.  Default: decode_host.ring_for's rule
+        # (direct mode only); set by decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_RING)
+        self.ring_alt = dh.ring_for(dh.DEFAULT_RING, split) == "alt"
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -273,16 +273,8 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         sK0 = storage.sK0.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sK1 = storage.sK1.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sS1 = storage.sS1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sS0 = None
-        sS0b = None
-        if const_expr(self.s0_in_rope):
-            s0_ptr = storage.sK0.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
-            sS0 = cute.make_tensor(cute.recast_ptr(s0_ptr, sP_layout.inner), sP_layout.outer)
-            if const_expr(self.ring_alt):  # odd pairs: WG0's block has its RoPE tile in buffer 1
-                s0b_ptr = storage.sK1.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
-                sS0b = cute.make_tensor(cute.recast_ptr(s0b_ptr, sP_layout.inner), sP_layout.outer)
-        else:
-            sS0 = storage.sS0.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        # WG0's P0 for WG1: the RoPE tile of WG0's block at d_qk 576 (per parity with the alternating ring)
+        sS0, sS0b = dd.p0_tiles(storage, sP_layout, self.n_k_tiles, self.s0_in_rope, self.ring_alt)
 
         blk0, num_iters, bound = dp.split_pairs(mTL, flags, b_idx, s_in, tl_stride_b, tl_stride_s, mIdx.shape[1],
                                                 split, blocks_per_split)

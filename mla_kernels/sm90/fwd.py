@@ -89,8 +89,8 @@ class SparseMlaFwdSm90:
         self.n_left = (d_v // 2) // 64  # 4: tiles of V's left half (WG0's output columns)
         self.s0_in_rope = d_qk == 576
         # the alternating KV ring (common/decode_device.PairedBlockConsumer.loop(alt=True)): the
-        # right halves of the two buffers swap owners every block pair; set by compile_fwd
-        # (MLA_KERNELS_FWD_RING; default on)
+        # right halves of the two buffers swap owners every block pair; compile_fwd sets it
+        # (sm90.DEFAULT_FWD_RING, MLA_KERNELS_FWD_RING)
         self.ring_alt = False
         # setmaxnreg budget: 2*consumer + producer must not exceed the launch allocation of
         # 168 regs x 384 threads (= 504 per thread-slot of a warpgroup), or the increase blocks.
@@ -227,17 +227,8 @@ class SparseMlaFwdSm90:
         sK0 = storage.sK0.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sK1 = storage.sK1.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sS1 = storage.sS1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sS0 = None
-        sS0b = None
-        if const_expr(self.s0_in_rope):
-            # buffer 0's RoPE tile (k-tile 8): free once WG0's S0 = Q K0^T is complete
-            s0_ptr = storage.sK0.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
-            sS0 = cute.make_tensor(cute.recast_ptr(s0_ptr, sP_layout.inner), sP_layout.outer)
-            if const_expr(self.ring_alt):  # odd pairs: WG0's block has its RoPE tile in buffer 1
-                s0b_ptr = storage.sK1.data_ptr() + (self.n_k_tiles - 1) * B_TOPK * 64
-                sS0b = cute.make_tensor(cute.recast_ptr(s0b_ptr, sP_layout.inner), sP_layout.outer)
-        else:
-            sS0 = storage.sS0.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        # WG0's P0 for WG1: the RoPE tile of WG0's block at d_qk 576 (per parity with the alternating ring)
+        sS0, sS0b = dd.p0_tiles(storage, sP_layout, self.n_k_tiles, self.s0_in_rope, self.ring_alt)
 
         topk = mIdx.shape[1]
         topk_len = topk
@@ -321,18 +312,8 @@ class SparseMlaFwdSm90:
             gather.fetch_raw(raw, 0, 0)
             gather.fetch_raw(raw, 1, 1)
             raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(vblk))
-        if const_expr(self.ring_alt):
-            for it2 in cutlass.range((num_iters + 1) // 2, unroll=1):
-                it = 2 * it2
-                self._producer_pair(gather, raw, it, 0, False, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r,
-                                    bar_valid, ptid, warp_in_wg)
-                if it + 1 < num_iters:
-                    self._producer_pair(gather, raw, it + 1, 1, True, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l,
-                                        k1r, bar_valid, ptid, warp_in_wg)
-        else:
-            for it in cutlass.range(num_iters, unroll=1):
-                self._producer_pair(gather, raw, it, it & 1, False, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r,
-                                    bar_valid, ptid, warp_in_wg)
+        dd.for_pairs(num_iters, self.ring_alt, lambda it, parity, odd, next_odd: self._producer_pair(
+            gather, raw, it, parity, odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid, warp_in_wg))
 
     @cute.jit
     def _producer_pair(self, gather, raw, it: Int32, parity, odd: cutlass.Constexpr, sK0_addr, sK1_addr, sValid,
@@ -355,13 +336,7 @@ class SparseMlaFwdSm90:
         k0l.wait_free(parity)
         gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
         k0l.commit_cp_async()
-        # the two right halves, in the order they go free: (barrier, buffer, block slot)
-        rights = ((k1r, sK1_addr, 1), (k0r, sK0_addr, 0))  # fixed: block 1's (freed first), block 0's
-        if const_expr(self.ring_alt):
-            # WG0's block (slot 0) in the half freed early, right 0 in even pairs, right 1 in odd ones
-            rights = ((k1r, sK1_addr, 0), (k0r, sK0_addr, 1)) if const_expr(odd) else ((k0r, sK0_addr, 0),
-                                                                                        (k1r, sK1_addr, 1))
-        for i, (k_r, addr, slot) in enumerate(rights):
+        for i, (k_r, addr, slot) in enumerate(dd.right_halves(k0r, k1r, sK0_addr, sK1_addr, self.ring_alt, odd)):
             k_r.wait_free(parity)
             if const_expr(i == 0):
                 # Both consumers have read the previous masks (WG0 before releasing k0l, WG1 before
