@@ -19,7 +19,9 @@ def report():
     cr = compile_report_module()
     only = {"sm90_indexer_score_bf16_h64_d128", "sm90_indexer_score_fp8_h64_d128", "sm90_indexer_topk_logits",
             "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen",
-            "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist", "sm90_indexer_loss_fwd_d128_rotate"}
+            "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist", "sm90_indexer_loss_fwd_d128_rotate",
+            "sm90_indexer_loss_bwd_d128_rows_bf16", "key_groups_count", "key_groups_place_topklen",
+            "fixed_segment_sum_d128"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
 
@@ -147,6 +149,24 @@ def test_loss_kernels(report):
     assert report["sm90_indexer_loss_bwd_d128_det_topklen"]["smem_bytes"] <= 113 * 1024  # two CTAs per SM
 
 
+@pytest.mark.compile
+def test_grouped_deterministic_dk_kernels(report):
+    """The ``grouped`` deterministic dk (opt-in): the loss backward stores each valid slot's dK
+    row as bf16 (8-byte stores, 8 per thread per 64-column chunk: 16 per block), no atomics; the
+    key grouping counts with non-returning atomics and places with returning ones (4 slots per
+    thread); the fixed-point segment sum reads 16-byte bf16 pieces and rounds each value to int64
+    (8 per piece, 4 pieces in flight)."""
+    sass, base = _common(report["sm90_indexer_loss_bwd_d128_rows_bf16"])
+    assert sass.get("STG.E.64", 0) == 16 and base.get("REDG", 0) == 0 and base.get("ATOMG", 0) == 0
+    assert report["sm90_indexer_loss_bwd_d128_rows_bf16"]["smem_bytes"] <= 113 * 1024  # two CTAs per SM
+    sass, _ = _common(report["key_groups_count"])
+    assert sass.get("REDG.E.ADD.STRONG.GPU", 0) == 4 and sass.get("ATOMG.E.ADD.STRONG.GPU", 0) == 0
+    sass, _ = _common(report["key_groups_place_topklen"])
+    assert sass.get("ATOMG.E.ADD.STRONG.GPU", 0) == 4 and sass.get("STG.E", 0) == 4
+    sass, _ = _common(report["fixed_segment_sum_d128"])
+    assert sass.get("F2I.S64", 0) == 32 and sass.get("LDG.E.128", 0) == 4
+
+
 def test_sm90_indexer_support_answers():
     from mla_kernels.api_indexer import make_indexer_loss_problem, make_indexer_problem
     from mla_kernels.sm90 import indexer_host
@@ -241,6 +261,16 @@ def test_loss_and_sum_settings(monkeypatch):
     monkeypatch.setenv(indexer_host.ENV_DK, "bf16")
     with pytest.raises(ValueError, match="red, red_bf16, bulk or none"):
         indexer_host.dk_mode(False)
+    monkeypatch.setenv(indexer_host.ENV_DET, "grouped")
+    assert indexer_host.dk_mode(True) == "grouped"
+    monkeypatch.delenv(indexer_host.ENV_DET_WS, raising=False)
+    assert indexer_host.grouped_workspace_bytes() == indexer_host.GROUPED_WORKSPACE_BYTES == 1 << 30
+    monkeypatch.setenv(indexer_host.ENV_DET_WS, "64")
+    assert indexer_host.grouped_workspace_bytes() == 64 << 20
+    for bad in ("0", "-5", "1.5", "lots"):
+        monkeypatch.setenv(indexer_host.ENV_DET_WS, bad)
+        with pytest.raises(ValueError, match="positive number of MiB"):
+            indexer_host.grouped_workspace_bytes()
 
 
 def test_topk_workspace_rows():

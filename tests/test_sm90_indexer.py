@@ -694,6 +694,50 @@ def test_loss_backward_deterministic_modes_agree_bitwise(monkeypatch):
 
 
 @pytest.mark.parametrize("d,tl", [(128, True), (64, False)])
+def test_loss_backward_grouped_dk_is_bitwise_stable_across_waves(d, tl, monkeypatch):
+    """The ``grouped`` deterministic dk (bf16 per-slot rows grouped by key, summed as fixed-point
+    integers): bitwise the same on every run and for any wave size of the workspace (integer sums:
+    neither the atomic placement's order nor the split into waves changes a bit), near the
+    reference and the float32 atomics' dk (one bf16 rounding per slot row), dq and dw bitwise
+    those of the other deterministic modes (the kernel's dk path does not touch them); invalid and
+    duplicate slots, topk_length, an empty row, a zero target sum and keys nobody selects."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, s_kv, topk = 150, 700, 300
+    q, k, w, idx, tgt, lens = loss_case(s_q, s_kv, topk, d, seed=13, tl=tl)
+    idx[5, :] = torch.where(idx[5] >= 0, idx[5] % 7, idx[5])  # many duplicates in one row
+    idx[6, 40:] = s_kv + 3  # out of range
+    g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(5)).cuda()
+    monkeypatch.setenv(indexer_host.ENV_DET, "grouped")
+    got = {}
+    for mib in ("", "1", "3"):  # one wave; ~12 and ~4 waves of queries
+        monkeypatch.setenv(indexer_host.ENV_DET_WS, mib)
+        got[mib] = [run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows) for _ in range(2)]
+    monkeypatch.setenv(indexer_host.ENV_DET, "fixed_bulk64")
+    fixed = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
+    atomic = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
+    torch.cuda.synchronize()
+    base = got[""][0]
+    for mib, runs in got.items():
+        for run in runs:
+            for name, a, b in zip(("dq", "dk", "dw"), run, base):
+                assert torch.equal(a, b), f"{name} differs (workspace {mib or 'default'} MiB)"
+    assert torch.equal(base[0], fixed[0]) and torch.equal(base[2], fixed[2])
+    _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)
+    wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)
+    dk = base[1]
+    assert not torch.isnan(dk).any()
+    e_ref, e_atomic = rel_l2(dk.float(), wk), rel_l2(dk.float(), atomic[1].float())
+    print(f"grouped dk rel L2: vs the reference {e_ref:.3g}, vs the float32 atomics {e_atomic:.3g}")
+    assert e_ref <= 1e-2 and e_atomic <= 4e-3
+    used = torch.zeros(s_kv, dtype=torch.bool, device="cuda")
+    v = ref.valid_mask(idx, s_kv, lens) & (inv > 0)[:, None]
+    used[idx[v].long()] = True
+    assert (dk[~used] == 0).all(), "keys no active slot selects must get dk == 0"
+
+
+@pytest.mark.parametrize("d,tl", [(128, True), (64, False)])
 def test_loss_prefetch_matches_the_first_version(d, tl, monkeypatch):
     """The loss kernels' one-block-ahead loads (indices for the gather and the logits, targets)
     change when values arrive, not what is computed: the loss rows and the deterministic

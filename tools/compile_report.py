@@ -144,6 +144,8 @@ def kernels_for(arch):
 
 def indexer_kernels():
     """The sm90 indexer kernels (scores bf16 / fp8, top-k, loss forward / backward)."""
+    from mla_kernels.common.key_groups import compile_key_groups
+    from mla_kernels.common.segment_sum import compile_fixed_segment_sum
     from mla_kernels.sm90.indexer_loss_bwd import compile_loss_bwd
     from mla_kernels.sm90.indexer_loss_fwd import compile_loss_fwd
     from mla_kernels.sm90.indexer_score import compile_score
@@ -161,6 +163,11 @@ def indexer_kernels():
         ("sm90_indexer_loss_fwd_d128_rotate", lambda a, **kw: compile_loss_fwd(128, True, 2048, a, rotate=True, **kw)),
         ("sm90_indexer_loss_bwd_d128", lambda a, **kw: compile_loss_bwd(128, False, False, a, **kw)),
         ("sm90_indexer_loss_bwd_d128_det_topklen", lambda a, **kw: compile_loss_bwd(128, True, True, a, **kw)),
+        ("sm90_indexer_loss_bwd_d128_rows_bf16", lambda a, **kw: compile_loss_bwd(128, True, True, a,
+                                                                                 dk_mode="slots_bf16", **kw)),
+        ("key_groups_count", lambda a, **kw: compile_key_groups(False, False, a, **kw)),
+        ("key_groups_place_topklen", lambda a, **kw: compile_key_groups(True, True, a, **kw)),
+        ("fixed_segment_sum_d128", lambda a, **kw: compile_fixed_segment_sum(128, a, **kw)),
     ]
 
 

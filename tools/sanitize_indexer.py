@@ -171,7 +171,7 @@ def workload() -> int:
     for var in indexer_host.LOSS_FWD_VARIANTS:
         step(f"loss fwd variant={var}", lambda var=var: loss_fwd(var))
     modes = (("red", False), ("bulk", False), ("red_bf16", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
-             ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True))
+             ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True), ("grouped", True))
     for mode, det in modes:
         def loss_bwd(mode=mode, det=det):
             os.environ[indexer_host.ENV_DK] = mode if mode in ("bulk", "red_bf16") else "red"

@@ -28,6 +28,11 @@ launches.
   ``slots`` (the first deterministic mode): each slot's row written into a workspace of at most
   :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave of queries and summed per key
   in a fixed order (stable sort + segment sum, as the attention backward's deterministic mode).
+  ``grouped`` (opt-in; faster than ``fixed_bulk64`` but up to :data:`GROUPED_WORKSPACE_BYTES` of
+  workspace): per wave of queries each valid slot gets a row of its key's segment
+  (``common/key_groups.py``), the kernel stores the slot's dK row there in bf16 and
+  ``FixedSegmentSum`` adds each key's rows in 64-bit fixed point (same scale as above) -- one bf16
+  rounding per slot row, then an exact sum (see :func:`_grouped_dk`).
 """
 
 from __future__ import annotations
@@ -49,10 +54,15 @@ WORKSPACE_BYTES = 512 << 20
 ENV_DK = "MLA_KERNELS_INDEXER_DK"
 #: How the deterministic loss backward adds dk: ``fixed_bulk64`` (default), ``fixed_bulk``,
 #: ``fixed_bulk2``, ``fixed_bulk32x2``, ``fixed_red`` (fixed-point int64 sums, see the module
-#: docstring and ``indexer_loss_bwd.py``) or ``slots`` (per-slot rows, sort + segment sum).
+#: docstring and ``indexer_loss_bwd.py``), ``grouped`` (bf16 per-slot rows grouped by key, summed
+#: in fixed point) or ``slots`` (per-slot rows, sort + segment sum).
 #: ``MLA_KERNELS_INDEXER_DK=none`` (profiling only) skips dk altogether.
 ENV_DET = "MLA_KERNELS_INDEXER_DET"
-DET_MODES = ("fixed_bulk64", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")
+DET_MODES = ("fixed_bulk64", "grouped", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")
+#: ``grouped``: the bf16 per-slot rows of up to this many bytes per wave of queries
+#: (``MLA_KERNELS_INDEXER_DET_WS_MIB`` overrides it, in MiB).
+GROUPED_WORKSPACE_BYTES = 1 << 30
+ENV_DET_WS = "MLA_KERNELS_INDEXER_DET_WS_MIB"
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
 #: step, the first version's behaviour; unset: the select variant's, :data:`TOPK_VARIANTS`).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
@@ -497,6 +507,63 @@ def fixed_point_scale(q: torch.Tensor, w_eff: torch.Tensor, g: torch.Tensor) -> 
     return torch.exp2(e).reshape(1).float().contiguous()
 
 
+def grouped_workspace_bytes() -> int:
+    """The ``grouped`` mode's workspace bound for this call (:data:`ENV_DET_WS`)."""
+    v = os.environ.get(ENV_DET_WS, "").strip()
+    if not v:
+        return GROUPED_WORKSPACE_BYTES
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{ENV_DET_WS}={v!r}: expected a positive number of MiB")
+    return int(v) << 20
+
+
+def _key_groups_fn(place: bool, has_tl: bool, arch: str):
+    def build():
+        from ..common.key_groups import compile_key_groups
+
+        return compile_key_groups(place, has_tl, arch)
+
+    return cached(("KeyGroups", place, has_tl, arch), build)
+
+
+def _fixed_segment_sum_fn(d: int, arch: str):
+    def build():
+        from ..common.segment_sum import compile_fixed_segment_sum
+
+        return compile_fixed_segment_sum(d, arch)
+
+    return cached(("FixedSegmentSum", d, arch), build)
+
+
+def _grouped_dk(p, fn, args_of, idx, tl, inv, topk_p, scale):
+    """The ``grouped`` deterministic dk: per wave of queries every valid slot gets a workspace row
+    in its key's segment (``KeyGroups``: counts, prefix sum, atomic placement), the kernel stores
+    the slot's dK row there as bf16 (``slots_bf16``) and each key's rows are added in fixed point
+    into an int64 ``[s_kv, d]`` accumulator (``FixedSegmentSum``: one writer per key; integer
+    sums, so neither the placement's order nor the waves change a bit).  Returns the
+    accumulator."""
+    dev, arch, has_tl = p.device, _arch(p), p.topk_length is not None
+    wave = max(1, min(p.s_q, grouped_workspace_bytes() // (topk_p * p.d * 2)))
+    ws = torch.empty(wave * topk_p, p.d, dtype=torch.bfloat16, device=dev)
+    pos = torch.empty(wave, topk_p, dtype=torch.int32, device=dev)
+    counts = torch.empty(p.s_kv + 1, dtype=torch.int32, device=dev)
+    start = torch.empty(p.s_kv + 1, dtype=torch.int32, device=dev)
+    acc = torch.zeros(p.s_kv, p.d, dtype=torch.int64, device=dev)
+    count, place = _key_groups_fn(False, has_tl, arch), _key_groups_fn(True, has_tl, arch)
+    seg_sum = _fixed_segment_sum_fn(p.d, arch)
+    for c0 in range(0, p.s_q, wave):
+        c1 = min(p.s_q, c0 + wave)
+        tl_c = tl[c0:c1] if has_tl else tl
+        counts.zero_()
+        count(idx[c0:c1], tl_c, inv[c0:c1], counts[1:], pos, p.s_kv)
+        torch.cumsum(counts, 0, dtype=torch.int32, out=start)
+        cursor = start[:-1].clone()
+        place(idx[c0:c1], tl_c, inv[c0:c1], cursor, pos, p.s_kv)
+        fn(*args_of(c0, c1), ws, scale, pos[: c1 - c0], p.sm_scale)
+        seg_sum(ws, start, acc, scale)
+    return acc
+
+
 def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     from ..common.bwd_host import DET_WORKSPACE_BYTES, reduce_slot_rows
     from ..reference import valid_mask
@@ -504,28 +571,41 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)
     has_tl, arch = p.topk_length is not None, _arch(p)
     mode = dk_mode(deterministic)
+    kmode = "slots_bf16" if mode == "grouped" else mode  # the kernel's dk mode
     pf, parts = _loss_prefetch(), sum_parts()
-    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, mode, pf, parts, arch),
-                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, mode, pf, parts))
+    fn = cached(("IndexerLossBwdSm90", p.d, has_tl, kmode, pf, parts, arch),
+                lambda: _compile_loss_bwd(p.d, has_tl, deterministic, arch, kmode, pf, parts))
     dev = p.device
     g = grad_rows.float().contiguous()
     lse, inv = lse.float().contiguous(), inv.float().contiguous()
     dq = host.alloc((p.s_q, p.h, p.d), torch.bfloat16, dev)
     dw = host.alloc((p.s_q, p.h), torch.float32, dev)
     one = host.dummy(torch.float32, dev, (1,))
+    nopos = host.dummy(torch.int32, dev, (1, 1))  # the slots' workspace rows: only the grouped mode's
+    if mode == "grouped":
+        scale = fixed_point_scale(p.q, w_eff, g)
+
+        def args_of(c0, c1):
+            tl_c = tl[c0:c1] if has_tl else tl
+            return (p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
+                    dq[c0:c1], dw[c0:c1])
+
+        acc = _grouped_dk(p, fn, args_of, idx, tl, inv, topk_p, scale)
+        dk = acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
+        return dq, dk, dw.to(p.weights.dtype)
     if mode.startswith("fixed"):
         scale = fixed_point_scale(p.q, w_eff, g)
         acc = torch.zeros(p.s_kv, p.d, dtype=torch.int64, device=dev)
-        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, acc, scale, p.sm_scale)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, acc, scale, nopos, p.sm_scale)
         dk = acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
         return dq, dk, dw.to(p.weights.dtype)
     if mode == "red_bf16":  # bf16 atomics: the sums rounded to bf16 at every addition (opt-in)
         dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.bfloat16, device=dev)
-        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, p.sm_scale)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, nopos, p.sm_scale)
         return dq, dk_acc.to(p.k.dtype).reshape(p.k_shape), dw.to(p.weights.dtype)
     dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.float32, device=dev)
     if not deterministic:
-        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, p.sm_scale)
+        fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, nopos, p.sm_scale)
     else:
         per_q = topk_p * p.d * 4
         wave = max(1, min(p.s_q, DET_WORKSPACE_BYTES // per_q))
@@ -535,7 +615,7 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
             c1 = min(p.s_q, c0 + wave)
             tl_c = tl[c0:c1] if p.topk_length is not None else tl
             fn(p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
-               dq[c0:c1], dw[c0:c1], ws, one, p.sm_scale)
+               dq[c0:c1], dw[c0:c1], ws, one, nopos, p.sm_scale)
             reduce_slot_rows(dk_acc, ws, idx[c0:c1], valid[c0:c1], 1)
     dk = dk_acc.to(p.k.dtype).reshape(p.k_shape)
     return dq, dk, dw.to(p.weights.dtype)

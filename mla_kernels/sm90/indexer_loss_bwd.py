@@ -25,7 +25,9 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
    smem); ``fixed_bulk`` 32-column pieces (4 stages), ``fixed_bulk2`` 16-column pieces in two
    alternating buffers (the wait for a piece's smem read overlaps the next piece),
    ``fixed_bulk32x2`` 32-column pieces in two buffers (3 stages); ``fixed_red`` 8-byte ``red.global.add.u64`` from registers --; ``slots`` stores each slot's row to the query's own
-   workspace rows (the host sums them in a fixed order: sort + segment sum).  ``none`` (profiling
+   workspace rows (the host sums them in a fixed order: sort + segment sum); ``slots_bf16`` the
+   same rows rounded to bf16 (8-byte stores) at the workspace row ``pos[t, j]`` the host gave
+   each valid slot, grouped by key (``indexer_host``'s ``grouped`` mode, summed in fixed point).  ``none`` (profiling
    only: dk is not formed) measures what the dk additions cost;
 4. ``dS^T`` through shared memory (stmatrix) for ``dq_t += dS K_sel`` (wgmma SS, both operands
    MN-major views), accumulated in registers over the blocks.
@@ -59,9 +61,9 @@ BAR_DK = 3  # fixed_bulk*: a staging buffer's previous bulk read is done
 BAR_DK2 = 4  # fixed_bulk*: the staged piece is written
 DK_PITCH = 68  # floats per staged dK row (bulk mode): 16-byte aligned, rows 4 banks apart
 #: dk modes: how the per-slot dK rows are added (see the module docstring)
-DK_MODES = ("red", "red_bf16", "bulk", "none", "slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2",
-            "fixed_red")
-DETERMINISTIC_MODES = ("slots", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red")
+DK_MODES = ("red", "red_bf16", "bulk", "none", "slots", "slots_bf16", "fixed_bulk", "fixed_bulk2", "fixed_bulk64",
+            "fixed_bulk32x2", "fixed_red")
+DETERMINISTIC_MODES = ("slots", "slots_bf16", "fixed_bulk", "fixed_bulk2", "fixed_bulk64", "fixed_bulk32x2", "fixed_red")
 #: fixed-point staging: (columns per piece, buffers); staging over 18 KB leaves 3 key stages
 _FIXED_STAGING = {"fixed_bulk": (32, 1), "fixed_bulk2": (16, 2), "fixed_bulk64": (64, 1), "fixed_bulk32x2": (32, 2)}
 K_MAJ = OperandMajorMode.K
@@ -82,7 +84,8 @@ class IndexerLossBwdSm90:
         self.dk_mode = dk_mode
         self.prefetch = prefetch
         self.sum_parts = sum_parts  # FMA chains per logit's head sum (indexer_device.weighted_relu_rows)
-        self.deterministic = dk_mode == "slots"  # per-slot rows (the historical name of that path)
+        self.deterministic = dk_mode in ("slots", "slots_bf16")  # per-slot rows (the historical name of that path)
+        self.rows_bf16 = dk_mode == "slots_bf16"  # the per-slot rows rounded to bf16 (half the bytes)
         self.dk_bulk = dk_mode == "bulk"
         self.fixed = dk_mode.startswith("fixed")
         self.piece, self.nbuf = _FIXED_STAGING.get(dk_mode, (32, 1))
@@ -113,6 +116,7 @@ class IndexerLossBwdSm90:
         mDw: cute.Tensor,  # [n_q, 64] f32 (out)
         mWs: cute.Tensor,  # [s_kv, d] f32 (atomic), [n_q * topk, d] f32 (slots) or [s_kv, d] int64 (fixed)
         mDkScale: cute.Tensor,  # [1] f32: 2^e of the fixed-point modes (read only by them)
+        mPos: cute.Tensor,  # [n_q, topk] int32: slots_bf16's workspace row of each valid slot (read only there)
         sm_scale: Float32,
         stream,
     ):
@@ -134,14 +138,14 @@ class IndexerLossBwdSm90:
                 Int64, self.nbuf * B_TOPK * (self.piece + 2) if self.fixed_bulk else 2], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
-        self.kernel(mQ, mK, mW, mIdx, mTopkLen, mTarget, mLse, mInv, mGrad, mDq, mDw, mWs, mDkScale, sm_scale,
+        self.kernel(mQ, mK, mW, mIdx, mTopkLen, mTarget, mLse, mInv, mGrad, mDq, mDw, mWs, mDkScale, mPos, sm_scale,
                     sQ_layout, sK_layout, sDS_layout, SharedStorage).launch(
             grid=[mQ.shape[0], 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor, mTopkLen: cute.Tensor,
                mTarget: cute.Tensor, mLse: cute.Tensor, mInv: cute.Tensor, mGrad: cute.Tensor, mDq: cute.Tensor,
-               mDw: cute.Tensor, mWs: cute.Tensor, mDkScale: cute.Tensor, sm_scale: Float32,
+               mDw: cute.Tensor, mWs: cute.Tensor, mDkScale: cute.Tensor, mPos: cute.Tensor, sm_scale: Float32,
                sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sDS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -217,7 +221,7 @@ class IndexerLossBwdSm90:
         odd = (lane_quad & 1) != 0
         r8 = lane // 4
         srow0 = (tidx // 32) * 16 + 4 * (r8 >> 2) + 8 * (lane_quad & 1)
-        elem_bytes = 8 if const_expr(self.fixed) else (2 if const_expr(self.dk_mode == "red_bf16") else 4)
+        elem_bytes = 8 if const_expr(self.fixed) else (2 if const_expr(self.dk_mode in ("red_bf16", "slots_bf16")) else 4)
         ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (r8 & 3) + 4 * (lane_quad >> 1)) * elem_bytes)
         row_bytes = self.d * elem_bytes
 
@@ -225,18 +229,22 @@ class IndexerLossBwdSm90:
         # global-load latency hides under the previous block instead of stalling dI
         rIdx = cute.make_rmem_tensor((2,), Int32)
         rTgt = cute.make_rmem_tensor((2,), Float32)
+        rPos = cute.make_rmem_tensor((2,), Int32)  # slots_bf16: the slots' workspace rows
         if const_expr(self.prefetch):
-            self._load_slots(rIdx, rTgt, mIdx, mTarget, t, Int32(0), row0, topk)
+            self._load_slots(rIdx, rTgt, rPos, mIdx, mTarget, mPos, t, Int32(0), row0, topk)
         for b in cutlass.range(num_blocks, unroll=1):
             stage = b % self.stages
             cIdx = cute.make_rmem_tensor((2,), Int32)
             cTgt = cute.make_rmem_tensor((2,), Float32)
+            cPos = cute.make_rmem_tensor((2,), Int32)
             if const_expr(self.prefetch):
                 for r in cutlass.range_constexpr(2):
                     cIdx[r] = rIdx[r]
                     cTgt[r] = rTgt[r]
+                    if const_expr(self.rows_bf16):
+                        cPos[r] = rPos[r]
                 if b + 1 < num_blocks:
-                    self._load_slots(rIdx, rTgt, mIdx, mTarget, t, b + 1, row0, topk)
+                    self._load_slots(rIdx, rTgt, rPos, mIdx, mTarget, mPos, t, b + 1, row0, topk)
             ring.issue(b + self.stages - 1, num_blocks)
             ring.wait(BAR_RING)
             block_scores(self._mma(K_MAJ, K_MAJ, H), acc_s, tSrK, tSrQ, stage, self.d)
@@ -250,19 +258,26 @@ class IndexerLossBwdSm90:
                 j = b * B_TOPK + row0 + 8 * r
                 idx = Int32(0)
                 tg = Float32(0.0)
+                pos = Int32(0)
                 if const_expr(self.prefetch):
                     idx = cIdx[r]
                     tg = cTgt[r]
+                    if const_expr(self.rows_bf16):
+                        pos = cPos[r]
                 else:
                     idx = mIdx[t, cutlass.min(j, topk - 1)]
                     tg = mTarget[t, j]
+                    if const_expr(self.rows_bf16):
+                        pos = mPos[t, cutlass.min(j, topk - 1)]
                 ok = dev.slot_valid(idx, j, s_kv, topk_len)
                 logit = s0 if r == 0 else s1
                 pi = cute.math.exp(logit - lse)
                 p = tg * inv
                 d_i[r] = Float32(cutlass.select_(ok, (pi - p) * g, Float32(0.0)))
                 if lane_quad == 0:
-                    sIdx[row0 + 8 * r] = Int32(cutlass.select_(ok, idx, Int32(-1)))
+                    # slots_bf16 keeps the slot's workspace row instead of its key (-1: no row)
+                    sIdx[row0 + 8 * r] = Int32(cutlass.select_(ok, pos if const_expr(self.rows_bf16) else idx,
+                                                               Int32(-1)))
             # dw partials and dS^T = dI w_eff [S^T > 0], in place of S^T
             for gi in cutlass.range_constexpr(H // 8):
                 for v0 in cutlass.range_constexpr(2):
@@ -321,13 +336,15 @@ class IndexerLossBwdSm90:
             mDw[t, tidx] = tot * sm_scale
 
     @cute.jit
-    def _load_slots(self, rIdx, rTgt, mIdx, mTarget, t, b, row0, topk):
-        """``rIdx[r], rTgt[r]`` = index and target of slot ``b * 64 + row0 + 8 r`` (topk is a multiple
-        of 64: always inside the row)."""
+    def _load_slots(self, rIdx, rTgt, rPos, mIdx, mTarget, mPos, t, b, row0, topk):
+        """``rIdx[r], rTgt[r]`` (and ``rPos[r]`` in slots_bf16) = index and target (workspace row)
+        of slot ``b * 64 + row0 + 8 r`` (topk is a multiple of 64: always inside the row)."""
         for r in cutlass.range_constexpr(2):
             j = b * B_TOPK + row0 + 8 * r
             rIdx[r] = mIdx[t, j]
             rTgt[r] = mTarget[t, j]
+            if const_expr(self.rows_bf16):
+                rPos[r] = mPos[t, j]
 
     @cute.jit
     def _dk_chunk(self, thr_k, acc_dk, tKrDS, sQt, ch: cutlass.Constexpr):
@@ -422,8 +439,8 @@ class IndexerLossBwdSm90:
                 row = srow0 + j
                 kv_row = sIdx[row]
                 if kv_row >= 0:
-                    dst = Int64(kv_row)
-                    if const_expr(self.deterministic):
+                    dst = Int64(kv_row)  # slots_bf16: the slot's workspace row
+                    if const_expr(self.deterministic and not self.rows_bf16):
                         dst = Int64(t) * Int64(topk) + Int64(b * B_TOPK + row)
                     if const_expr(self.fixed):  # fixed_red: four 8-byte integer atomics (one 32-byte sector)
                         addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 8)
@@ -433,6 +450,10 @@ class IndexerLossBwdSm90:
                         addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 2)
                         idev.red_add_v2_bf16x2(addr, dev.pack_bf16x2(vec[4 * j], vec[4 * j + 1]),
                                                dev.pack_bf16x2(vec[4 * j + 2], vec[4 * j + 3]))
+                    elif const_expr(self.rows_bf16):  # 8 bytes: the four values rounded to bf16
+                        addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 2)
+                        dev.st_global_v2_b32(addr, dev.pack_bf16x2(vec[4 * j], vec[4 * j + 1]),
+                                             dev.pack_bf16x2(vec[4 * j + 2], vec[4 * j + 3]))
                     elif const_expr(self.deterministic):
                         addr = ws_base + dst * Int64(row_bytes) + Int64((ch * 64 + 32 * p) * 4)
                         dev.st_global_v4_f32(addr, vec[4 * j], vec[4 * j + 1], vec[4 * j + 2], vec[4 * j + 3])
@@ -460,9 +481,10 @@ def compile_loss_bwd(d: int, has_topk_length: bool, deterministic: bool, arch: s
     extra += [
         host.fake(BFloat16, (cute.sym_int(), H, d)),  # dq
         host.fake(Float32, (cute.sym_int(), H), align=4),  # dw
-        host.fake(Int64 if mode.startswith("fixed") else (BFloat16 if mode == "red_bf16" else Float32),
+        host.fake(Int64 if mode.startswith("fixed") else (BFloat16 if mode in ("red_bf16", "slots_bf16") else Float32),
                   (cute.sym_int(), d)),  # dk workspace
         host.fake(Float32, (1,), align=4),  # fixed-point scale
+        host.fake(Int32, (cute.sym_int(), cute.sym_int()), align=4),  # slots_bf16: workspace rows
         Float32(1.0),
         host.fake_stream(),
     ]
