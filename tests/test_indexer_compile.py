@@ -21,7 +21,7 @@ def report():
             "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen",
             "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist", "sm90_indexer_loss_fwd_d128_rotate",
             "sm90_indexer_loss_bwd_d128_rows_bf16", "key_groups_count", "key_groups_place_topklen",
-            "fixed_segment_sum_d128"}
+            "fixed_segment_sum_d128", "key_groups_chunked_count", "key_groups_chunked_place_topklen"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
 
@@ -163,6 +163,9 @@ def test_grouped_deterministic_dk_kernels(report):
     assert sass.get("REDG.E.ADD.STRONG.GPU", 0) == 4 and sass.get("ATOMG.E.ADD.STRONG.GPU", 0) == 0
     sass, _ = _common(report["key_groups_place_topklen"])
     assert sass.get("ATOMG.E.ADD.STRONG.GPU", 0) == 4 and sass.get("STG.E", 0) == 4
+    for name in ("key_groups_chunked_count", "key_groups_chunked_place_topklen"):  # shared counters only
+        sass, base = _common(report[name])
+        assert base.get("ATOMS", 0) > 0 and base.get("ATOMG", 0) == 0 and base.get("REDG", 0) == 0
     sass, _ = _common(report["fixed_segment_sum_d128"])
     assert sass.get("F2I.S64", 0) == 32 and sass.get("LDG.E.128", 0) == 4
 
@@ -271,6 +274,15 @@ def test_loss_and_sum_settings(monkeypatch):
         monkeypatch.setenv(indexer_host.ENV_DET_WS, bad)
         with pytest.raises(ValueError, match="positive number of MiB"):
             indexer_host.grouped_workspace_bytes()
+    from mla_kernels.common import key_groups
+
+    assert indexer_host.KEY_GROUP_CHUNK == key_groups.CHUNK
+    assert indexer_host.key_groups_chunked()
+    monkeypatch.setenv(indexer_host.ENV_KEY_GROUPS, "atomic")
+    assert not indexer_host.key_groups_chunked()
+    monkeypatch.setenv(indexer_host.ENV_KEY_GROUPS, "sorted")
+    with pytest.raises(ValueError, match="chunked or atomic"):
+        indexer_host.key_groups_chunked()
 
 
 def test_topk_workspace_rows():

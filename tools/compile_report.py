@@ -167,6 +167,8 @@ def indexer_kernels():
                                                                                  dk_mode="slots_bf16", **kw)),
         ("key_groups_count", lambda a, **kw: compile_key_groups(False, False, a, **kw)),
         ("key_groups_place_topklen", lambda a, **kw: compile_key_groups(True, True, a, **kw)),
+        ("key_groups_chunked_count", lambda a, **kw: compile_key_groups(False, False, a, chunked=True, **kw)),
+        ("key_groups_chunked_place_topklen", lambda a, **kw: compile_key_groups(True, True, a, chunked=True, **kw)),
         ("fixed_segment_sum_d128", lambda a, **kw: compile_fixed_segment_sum(128, a, **kw)),
     ]
 

@@ -63,6 +63,11 @@ DET_MODES = ("fixed_bulk64", "grouped", "fixed_bulk", "fixed_bulk2", "fixed_bulk
 #: (``MLA_KERNELS_INDEXER_DET_WS_MIB`` overrides it, in MiB).
 GROUPED_WORKSPACE_BYTES = 1 << 30
 ENV_DET_WS = "MLA_KERNELS_INDEXER_DET_WS_MIB"
+#: ``grouped``: how the slots are grouped by key -- ``chunked`` (default: shared-memory counters per
+#: chunk of queries, no global atomics) or ``atomic`` (one global atomic per slot and launch).
+ENV_KEY_GROUPS = "MLA_KERNELS_INDEXER_KEY_GROUPS"
+#: ``common.key_groups.CHUNK`` (queries per chunk), here so that a call imports no kernel module
+KEY_GROUP_CHUNK = 32
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
 #: step, the first version's behaviour; unset: the select variant's, :data:`TOPK_VARIANTS`).
 ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
@@ -517,13 +522,21 @@ def grouped_workspace_bytes() -> int:
     return int(v) << 20
 
 
-def _key_groups_fn(place: bool, has_tl: bool, arch: str):
+def key_groups_chunked() -> bool:
+    """Whether the ``grouped`` mode groups the slots by chunks (:data:`ENV_KEY_GROUPS`)."""
+    v = os.environ.get(ENV_KEY_GROUPS, "chunked").strip().lower() or "chunked"
+    if v not in ("chunked", "atomic"):
+        raise ValueError(f"{ENV_KEY_GROUPS}={v!r}: expected chunked or atomic")
+    return v == "chunked"
+
+
+def _key_groups_fn(place: bool, has_tl: bool, arch: str, chunked: bool):
     def build():
         from ..common.key_groups import compile_key_groups
 
-        return compile_key_groups(place, has_tl, arch)
+        return compile_key_groups(place, has_tl, arch, chunked=chunked)
 
-    return cached(("KeyGroups", place, has_tl, arch), build)
+    return cached(("KeyGroups", place, has_tl, chunked, arch), build)
 
 
 def _fixed_segment_sum_fn(d: int, arch: str):
@@ -549,11 +562,25 @@ def _grouped_dk(p, fn, args_of, idx, tl, inv, topk_p, scale):
     counts = torch.empty(p.s_kv + 1, dtype=torch.int32, device=dev)
     start = torch.empty(p.s_kv + 1, dtype=torch.int32, device=dev)
     acc = torch.zeros(p.s_kv, p.d, dtype=torch.int64, device=dev)
-    count, place = _key_groups_fn(False, has_tl, arch), _key_groups_fn(True, has_tl, arch)
+    chunked = key_groups_chunked()
+    count, place = _key_groups_fn(False, has_tl, arch, chunked), _key_groups_fn(True, has_tl, arch, chunked)
     seg_sum = _fixed_segment_sum_fn(p.d, arch)
+    if chunked:
+        per_chunk = torch.empty(-(-wave // KEY_GROUP_CHUNK), p.s_kv, dtype=torch.int32, device=dev)
     for c0 in range(0, p.s_q, wave):
         c1 = min(p.s_q, c0 + wave)
         tl_c = tl[c0:c1] if has_tl else tl
+        if chunked:  # per-chunk counts -> each chunk's first row per key
+            cnt = per_chunk[: -(-(c1 - c0) // KEY_GROUP_CHUNK)]
+            count(idx[c0:c1], tl_c, inv[c0:c1], cnt, pos, p.s_kv)
+            col = torch.cumsum(cnt, 0, dtype=torch.int32)
+            start[0] = 0
+            torch.cumsum(col[-1], 0, dtype=torch.int32, out=start[1:])
+            col.sub_(cnt).add_(start[:-1])
+            place(idx[c0:c1], tl_c, inv[c0:c1], col, pos, p.s_kv)
+            fn(*args_of(c0, c1), ws, scale, pos[: c1 - c0], p.sm_scale)
+            seg_sum(ws, start, acc, scale)
+            continue
         counts.zero_()
         count(idx[c0:c1], tl_c, inv[c0:c1], counts[1:], pos, p.s_kv)
         torch.cumsum(counts, 0, dtype=torch.int32, out=start)
