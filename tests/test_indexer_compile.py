@@ -21,7 +21,7 @@ def report():
             "sm90_indexer_loss_fwd_d128", "sm90_indexer_loss_bwd_d128", "sm90_indexer_loss_bwd_d128_det_topklen",
             "sm90_indexer_score_bf16_h64_d128_hist", "sm90_indexer_topk_hist", "sm90_indexer_loss_fwd_d128_rotate",
             "sm90_indexer_loss_bwd_d128_rows_bf16", "key_groups_count", "key_groups_place_topklen",
-            "fixed_segment_sum_d128", "key_groups_chunked_count", "key_groups_chunked_place_topklen"}
+            "fixed_segment_sum_d128"}
     return {r["name"]: r for r in cr.run("sm_90a", only=only, quiet=True)}
 
 
@@ -153,17 +153,13 @@ def test_loss_kernels(report):
 def test_grouped_deterministic_dk_kernels(report):
     """The ``grouped`` deterministic dk (opt-in): the loss backward stores each valid slot's dK
     row as bf16 (8-byte stores, 8 per thread per 64-column chunk: 16 per block), no atomics; the
-    key grouping counts with non-returning atomics and places with returning ones (4 slots per
-    thread); the fixed-point segment sum reads 16-byte bf16 pieces and rounds each value to int64
+    key grouping counts and places with shared-memory atomics only (no global atomics); the
+    fixed-point segment sum reads 16-byte bf16 pieces and rounds each value to int64
     (8 per piece, 4 pieces in flight)."""
     sass, base = _common(report["sm90_indexer_loss_bwd_d128_rows_bf16"])
     assert sass.get("STG.E.64", 0) == 16 and base.get("REDG", 0) == 0 and base.get("ATOMG", 0) == 0
     assert report["sm90_indexer_loss_bwd_d128_rows_bf16"]["smem_bytes"] <= 113 * 1024  # two CTAs per SM
-    sass, _ = _common(report["key_groups_count"])
-    assert sass.get("REDG.E.ADD.STRONG.GPU", 0) == 4 and sass.get("ATOMG.E.ADD.STRONG.GPU", 0) == 0
-    sass, _ = _common(report["key_groups_place_topklen"])
-    assert sass.get("ATOMG.E.ADD.STRONG.GPU", 0) == 4 and sass.get("STG.E", 0) == 4
-    for name in ("key_groups_chunked_count", "key_groups_chunked_place_topklen"):  # shared counters only
+    for name in ("key_groups_count", "key_groups_place_topklen"):  # shared counters only
         sass, base = _common(report[name])
         assert base.get("ATOMS", 0) > 0 and base.get("ATOMG", 0) == 0 and base.get("REDG", 0) == 0
     sass, _ = _common(report["fixed_segment_sum_d128"])
@@ -274,15 +270,10 @@ def test_loss_and_sum_settings(monkeypatch):
         monkeypatch.setenv(indexer_host.ENV_DET_WS, bad)
         with pytest.raises(ValueError, match="positive number of MiB"):
             indexer_host.grouped_workspace_bytes()
-    from mla_kernels.common import key_groups
+    from mla_kernels.common.key_groups import KeyGroups
 
-    assert indexer_host.KEY_GROUP_CHUNK == key_groups.CHUNK
-    assert indexer_host.key_groups_chunked()
-    monkeypatch.setenv(indexer_host.ENV_KEY_GROUPS, "atomic")
-    assert not indexer_host.key_groups_chunked()
-    monkeypatch.setenv(indexer_host.ENV_KEY_GROUPS, "sorted")
-    with pytest.raises(ValueError, match="chunked or atomic"):
-        indexer_host.key_groups_chunked()
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        KeyGroups(True, False, 0)
 
 
 def test_topk_workspace_rows():

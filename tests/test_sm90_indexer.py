@@ -700,9 +700,8 @@ def test_loss_backward_grouped_dk_is_bitwise_stable_across_waves(d, tl, s_kv, mo
     neither the atomic placement's order nor the split into waves changes a bit), near the
     reference and the float32 atomics' dk (one bf16 rounding per slot row), dq and dw bitwise
     those of the other deterministic modes (the kernel's dk path does not touch them); invalid and
-    duplicate slots, topk_length, an empty row, a zero target sum and keys nobody selects; both
-    ways of grouping the slots (chunked: shared counters per key tile -- three tiles at s_kv
-    40000 --, atomic: global atomics)."""
+    duplicate slots, topk_length, an empty row, a zero target sum and keys nobody selects; one
+    key tile of the grouping's shared counters and three (s_kv 40000)."""
     from mla_kernels.sm90 import indexer_host
 
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
@@ -713,20 +712,18 @@ def test_loss_backward_grouped_dk_is_bitwise_stable_across_waves(d, tl, s_kv, mo
     g_rows = torch.randn(s_q, generator=torch.Generator().manual_seed(5)).cuda()
     monkeypatch.setenv(indexer_host.ENV_DET, "grouped")
     got = {}
-    for kg in ("chunked", "atomic"):
-        monkeypatch.setenv(indexer_host.ENV_KEY_GROUPS, kg)
-        for mib in ("", "1", "3"):  # one wave; ~12 and ~4 waves of queries
-            monkeypatch.setenv(indexer_host.ENV_DET_WS, mib)
-            got[kg, mib] = [run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows) for _ in range(2)]
+    for mib in ("", "1", "3"):  # one wave; ~12 and ~4 waves of queries
+        monkeypatch.setenv(indexer_host.ENV_DET_WS, mib)
+        got[mib] = [run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows) for _ in range(2)]
     monkeypatch.setenv(indexer_host.ENV_DET, "fixed_bulk64")
     fixed = run_loss_grads(q, k, w, idx, tgt, lens, True, g_rows)
     atomic = run_loss_grads(q, k, w, idx, tgt, lens, False, g_rows)
     torch.cuda.synchronize()
-    base = got["chunked", ""][0]
-    for (kg, mib), runs in got.items():
+    base = got[""][0]
+    for mib, runs in got.items():
         for run in runs:
             for name, a, b in zip(("dq", "dk", "dw"), run, base):
-                assert torch.equal(a, b), f"{name} differs ({kg}, workspace {mib or 'default'} MiB)"
+                assert torch.equal(a, b), f"{name} differs (workspace {mib or 'default'} MiB)"
     assert torch.equal(base[0], fixed[0]) and torch.equal(base[2], fixed[2])
     _, lse, inv = ref.indexer_loss_fwd_ref(q.float(), k.float(), w, idx, tgt, d ** -0.5, lens)
     wq, wk, ww = ref.indexer_loss_bwd_ref(q.float(), k.float(), w, idx, tgt, g_rows, lse, inv, d ** -0.5, lens)

@@ -62,7 +62,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "instead of from block t mod n, the default), "
                          "loss_bulk (dk by bulk reduce), loss_bf16dk (dk by bf16x2 atomics, "
                          "MLA_KERNELS_INDEXER_DK=red_bf16, with dk's error vs the float32 atomics'), "
-                         "loss_det_modes (every deterministic dk mode), loss_grouped (deterministic: fixed_bulk64 beside grouped at its default, with atomic key grouping and with a 2 GiB workspace), loss_noprefetch (the loss kernels "
+                         "loss_det_modes (every deterministic dk mode), loss_grouped (deterministic: fixed_bulk64 beside grouped at its default and with a 2 GiB workspace), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; _hist<mode>: "
@@ -320,7 +320,7 @@ def rows(args):
             if "loss_det_modes" in mine and cuda:
                 variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
             if "loss_grouped" in mine and cuda:  # the grouped mode at its default and a 2 GiB workspace
-                variants += [(True, "fixed_bulk64"), (True, "grouped"), (True, "grouped_atomic"), (True, "grouped_2g")]
+                variants += [(True, "fixed_bulk64"), (True, "grouped"), (True, "grouped_2g")]
             variants += [(False, "shuffled"), (True, "shuffled")] if "loss_shuffled" in mine else []
             variants += [(False, "rotate")] if ("loss_rotate" in mine and cuda) else []
             for det, dk in variants:
@@ -338,8 +338,7 @@ def rows(args):
                 if dk in ("shuffled", "rotate"):
                     dk = ""
                 os.environ["MLA_KERNELS_INDEXER_DET_WS_MIB"] = "2048" if dk == "grouped_2g" else ""
-                os.environ["MLA_KERNELS_INDEXER_KEY_GROUPS"] = "atomic" if dk == "grouped_atomic" else ""
-                if dk in ("grouped_2g", "grouped_atomic"):
+                if dk == "grouped_2g":
                     dk = "grouped"  # the tag (_det_grouped_2g) keeps the workspace apart
                 os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
@@ -354,7 +353,6 @@ def rows(args):
             os.environ.pop("MLA_KERNELS_INDEXER_DK", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET", None)
             os.environ.pop("MLA_KERNELS_INDEXER_DET_WS_MIB", None)
-            os.environ.pop("MLA_KERNELS_INDEXER_KEY_GROUPS", None)
             os.environ.pop("MLA_KERNELS_INDEXER_LOSS_PREFETCH", None)
             os.environ.pop("MLA_KERNELS_INDEXER_LOSS_ROTATE", None)
             if "loss_fwd_variants" in mine and cuda:

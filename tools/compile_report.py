@@ -147,6 +147,7 @@ def indexer_kernels():
     from mla_kernels.common.key_groups import compile_key_groups
     from mla_kernels.common.segment_sum import compile_fixed_segment_sum
     from mla_kernels.sm90.indexer_loss_bwd import compile_loss_bwd
+    from mla_kernels.sm90.indexer_host import KEY_GROUP_CHUNK
     from mla_kernels.sm90.indexer_loss_fwd import compile_loss_fwd
     from mla_kernels.sm90.indexer_score import compile_score
     from mla_kernels.sm90.indexer_topk import compile_topk
@@ -165,10 +166,8 @@ def indexer_kernels():
         ("sm90_indexer_loss_bwd_d128_det_topklen", lambda a, **kw: compile_loss_bwd(128, True, True, a, **kw)),
         ("sm90_indexer_loss_bwd_d128_rows_bf16", lambda a, **kw: compile_loss_bwd(128, True, True, a,
                                                                                  dk_mode="slots_bf16", **kw)),
-        ("key_groups_count", lambda a, **kw: compile_key_groups(False, False, a, **kw)),
-        ("key_groups_place_topklen", lambda a, **kw: compile_key_groups(True, True, a, **kw)),
-        ("key_groups_chunked_count", lambda a, **kw: compile_key_groups(False, False, a, chunked=True, **kw)),
-        ("key_groups_chunked_place_topklen", lambda a, **kw: compile_key_groups(True, True, a, chunked=True, **kw)),
+        ("key_groups_count", lambda a, **kw: compile_key_groups(False, False, KEY_GROUP_CHUNK, a, **kw)),
+        ("key_groups_place_topklen", lambda a, **kw: compile_key_groups(True, True, KEY_GROUP_CHUNK, a, **kw)),
         ("fixed_segment_sum_d128", lambda a, **kw: compile_fixed_segment_sum(128, a, **kw)),
     ]
 

@@ -63,10 +63,7 @@ DET_MODES = ("fixed_bulk64", "grouped", "fixed_bulk", "fixed_bulk2", "fixed_bulk
 #: (``MLA_KERNELS_INDEXER_DET_WS_MIB`` overrides it, in MiB).
 GROUPED_WORKSPACE_BYTES = 1 << 30
 ENV_DET_WS = "MLA_KERNELS_INDEXER_DET_WS_MIB"
-#: ``grouped``: how the slots are grouped by key -- ``chunked`` (default: shared-memory counters per
-#: chunk of queries, no global atomics) or ``atomic`` (one global atomic per slot and launch).
-ENV_KEY_GROUPS = "MLA_KERNELS_INDEXER_KEY_GROUPS"
-#: ``common.key_groups.CHUNK`` (queries per chunk), here so that a call imports no kernel module
+#: ``grouped``: queries per CTA of the key grouping (``common/key_groups.py``)
 KEY_GROUP_CHUNK = 32
 #: Warp steps whose loads the top-k's ordered passes issue together (1 = one load in flight per
 #: step, the first version's behaviour; unset: the select variant's, :data:`TOPK_VARIANTS`).
@@ -522,21 +519,13 @@ def grouped_workspace_bytes() -> int:
     return int(v) << 20
 
 
-def key_groups_chunked() -> bool:
-    """Whether the ``grouped`` mode groups the slots by chunks (:data:`ENV_KEY_GROUPS`)."""
-    v = os.environ.get(ENV_KEY_GROUPS, "chunked").strip().lower() or "chunked"
-    if v not in ("chunked", "atomic"):
-        raise ValueError(f"{ENV_KEY_GROUPS}={v!r}: expected chunked or atomic")
-    return v == "chunked"
-
-
-def _key_groups_fn(place: bool, has_tl: bool, arch: str, chunked: bool):
+def _key_groups_fn(place: bool, has_tl: bool, arch: str):
     def build():
         from ..common.key_groups import compile_key_groups
 
-        return compile_key_groups(place, has_tl, arch, chunked=chunked)
+        return compile_key_groups(place, has_tl, KEY_GROUP_CHUNK, arch)
 
-    return cached(("KeyGroups", place, has_tl, chunked, arch), build)
+    return cached(("KeyGroups", place, has_tl, KEY_GROUP_CHUNK, arch), build)
 
 
 def _fixed_segment_sum_fn(d: int, arch: str):
@@ -548,44 +537,38 @@ def _fixed_segment_sum_fn(d: int, arch: str):
     return cached(("FixedSegmentSum", d, arch), build)
 
 
+def _from_fixed(acc: torch.Tensor, scale: torch.Tensor, p) -> torch.Tensor:
+    """dk from the int64 fixed-point accumulator ``acc`` (``/ scale`` in float64, then k's dtype
+    and shape)."""
+    return acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
+
+
 def _grouped_dk(p, fn, args_of, idx, tl, inv, topk_p, scale):
     """The ``grouped`` deterministic dk: per wave of queries every valid slot gets a workspace row
-    in its key's segment (``KeyGroups``: counts, prefix sum, atomic placement), the kernel stores
-    the slot's dK row there as bf16 (``slots_bf16``) and each key's rows are added in fixed point
-    into an int64 ``[s_kv, d]`` accumulator (``FixedSegmentSum``: one writer per key; integer
-    sums, so neither the placement's order nor the waves change a bit).  Returns the
+    in its key's segment (``KeyGroups``: per-chunk counts, prefix sums, placement), the kernel
+    stores the slot's dK row there as bf16 (``slots_bf16``) and each key's rows are added in
+    fixed point into an int64 ``[s_kv, d]`` accumulator (``FixedSegmentSum``: one writer per key;
+    integer sums, so neither the placement's order nor the waves change a bit).  Returns the
     accumulator."""
     dev, arch, has_tl = p.device, _arch(p), p.topk_length is not None
     wave = max(1, min(p.s_q, grouped_workspace_bytes() // (topk_p * p.d * 2)))
     ws = torch.empty(wave * topk_p, p.d, dtype=torch.bfloat16, device=dev)
     pos = torch.empty(wave, topk_p, dtype=torch.int32, device=dev)
-    counts = torch.empty(p.s_kv + 1, dtype=torch.int32, device=dev)
-    start = torch.empty(p.s_kv + 1, dtype=torch.int32, device=dev)
+    per_chunk = torch.empty(-(-wave // KEY_GROUP_CHUNK), p.s_kv, dtype=torch.int32, device=dev)
+    start = torch.zeros(p.s_kv + 1, dtype=torch.int32, device=dev)  # start[0] stays 0
     acc = torch.zeros(p.s_kv, p.d, dtype=torch.int64, device=dev)
-    chunked = key_groups_chunked()
-    count, place = _key_groups_fn(False, has_tl, arch, chunked), _key_groups_fn(True, has_tl, arch, chunked)
+    count, place = _key_groups_fn(False, has_tl, arch), _key_groups_fn(True, has_tl, arch)
     seg_sum = _fixed_segment_sum_fn(p.d, arch)
-    if chunked:
-        per_chunk = torch.empty(-(-wave // KEY_GROUP_CHUNK), p.s_kv, dtype=torch.int32, device=dev)
     for c0 in range(0, p.s_q, wave):
         c1 = min(p.s_q, c0 + wave)
         tl_c = tl[c0:c1] if has_tl else tl
-        if chunked:  # per-chunk counts -> each chunk's first row per key
-            cnt = per_chunk[: -(-(c1 - c0) // KEY_GROUP_CHUNK)]
-            count(idx[c0:c1], tl_c, inv[c0:c1], cnt, pos, p.s_kv)
-            col = torch.cumsum(cnt, 0, dtype=torch.int32)
-            start[0] = 0
-            torch.cumsum(col[-1], 0, dtype=torch.int32, out=start[1:])
-            col.sub_(cnt).add_(start[:-1])
-            place(idx[c0:c1], tl_c, inv[c0:c1], col, pos, p.s_kv)
-            fn(*args_of(c0, c1), ws, scale, pos[: c1 - c0], p.sm_scale)
-            seg_sum(ws, start, acc, scale)
-            continue
-        counts.zero_()
-        count(idx[c0:c1], tl_c, inv[c0:c1], counts[1:], pos, p.s_kv)
-        torch.cumsum(counts, 0, dtype=torch.int32, out=start)
-        cursor = start[:-1].clone()
-        place(idx[c0:c1], tl_c, inv[c0:c1], cursor, pos, p.s_kv)
+        cnt = per_chunk[: -(-(c1 - c0) // KEY_GROUP_CHUNK)]
+        count(idx[c0:c1], tl_c, inv[c0:c1], cnt, pos, p.s_kv)
+        # each chunk's first row per key: the key's segment start + the counts of the chunks before
+        first = torch.cumsum(cnt, 0, dtype=torch.int32)
+        torch.cumsum(first[-1], 0, dtype=torch.int32, out=start[1:])
+        first.sub_(cnt).add_(start[:-1])
+        place(idx[c0:c1], tl_c, inv[c0:c1], first, pos, p.s_kv)
         fn(*args_of(c0, c1), ws, scale, pos[: c1 - c0], p.sm_scale)
         seg_sum(ws, start, acc, scale)
     return acc
@@ -609,23 +592,22 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
     dw = host.alloc((p.s_q, p.h), torch.float32, dev)
     one = host.dummy(torch.float32, dev, (1,))
     nopos = host.dummy(torch.int32, dev, (1, 1))  # the slots' workspace rows: only the grouped mode's
+
+    def args_of(c0, c1):
+        """The kernel's inputs and dq / dw outputs for the queries ``[c0, c1)`` (a wave)."""
+        tl_c = tl[c0:c1] if has_tl else tl
+        return (p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
+                dq[c0:c1], dw[c0:c1])
+
     if mode == "grouped":
         scale = fixed_point_scale(p.q, w_eff, g)
-
-        def args_of(c0, c1):
-            tl_c = tl[c0:c1] if has_tl else tl
-            return (p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
-                    dq[c0:c1], dw[c0:c1])
-
         acc = _grouped_dk(p, fn, args_of, idx, tl, inv, topk_p, scale)
-        dk = acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
-        return dq, dk, dw.to(p.weights.dtype)
+        return dq, _from_fixed(acc, scale, p), dw.to(p.weights.dtype)
     if mode.startswith("fixed"):
         scale = fixed_point_scale(p.q, w_eff, g)
         acc = torch.zeros(p.s_kv, p.d, dtype=torch.int64, device=dev)
         fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, acc, scale, nopos, p.sm_scale)
-        dk = acc.double().div_(scale.double()).to(p.k.dtype).reshape(p.k_shape)
-        return dq, dk, dw.to(p.weights.dtype)
+        return dq, _from_fixed(acc, scale, p), dw.to(p.weights.dtype)
     if mode == "red_bf16":  # bf16 atomics: the sums rounded to bf16 at every addition (opt-in)
         dk_acc = torch.zeros(p.s_kv, p.d, dtype=torch.bfloat16, device=dev)
         fn(p.q, p.k, w_eff, idx, tl, tgt, lse, inv, g, dq, dw, dk_acc, one, nopos, p.sm_scale)
@@ -640,9 +622,7 @@ def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
         valid = valid_mask(idx, p.s_kv, p.topk_length) & (inv > 0)[:, None]
         for c0 in range(0, p.s_q, wave):
             c1 = min(p.s_q, c0 + wave)
-            tl_c = tl[c0:c1] if p.topk_length is not None else tl
-            fn(p.q[c0:c1], p.k, w_eff[c0:c1], idx[c0:c1], tl_c, tgt[c0:c1], lse[c0:c1], inv[c0:c1], g[c0:c1],
-               dq[c0:c1], dw[c0:c1], ws, one, nopos, p.sm_scale)
+            fn(*args_of(c0, c1), ws, one, nopos, p.sm_scale)
             reduce_slot_rows(dk_acc, ws, idx[c0:c1], valid[c0:c1], 1)
     dk = dk_acc.to(p.k.dtype).reshape(p.k_shape)
     return dq, dk, dw.to(p.weights.dtype)
