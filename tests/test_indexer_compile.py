@@ -256,14 +256,21 @@ def test_loss_and_sum_settings(monkeypatch):
     assert indexer_host.dk_mode(False) == "red"
     monkeypatch.setenv(indexer_host.ENV_DK, "red_bf16")
     assert indexer_host.dk_mode(False) == "red_bf16"
-    assert indexer_host.dk_mode(True) == "fixed_bulk64"  # deterministic: its own setting
+    monkeypatch.delenv(indexer_host.ENV_DET, raising=False)
+    assert indexer_host.dk_mode(True) == "grouped"  # deterministic: its own setting, grouped by default
     monkeypatch.setenv(indexer_host.ENV_DK, "bf16")
     with pytest.raises(ValueError, match="red, red_bf16, bulk or none"):
         indexer_host.dk_mode(False)
-    monkeypatch.setenv(indexer_host.ENV_DET, "grouped")
-    assert indexer_host.dk_mode(True) == "grouped"
+    monkeypatch.setenv(indexer_host.ENV_DET, "fixed_bulk64")
+    assert indexer_host.dk_mode(True) == "fixed_bulk64"
+    monkeypatch.setenv(indexer_host.ENV_DET, "sorted")
+    with pytest.raises(ValueError, match="expected one of grouped, fixed_bulk64"):
+        indexer_host.dk_mode(True)
     monkeypatch.delenv(indexer_host.ENV_DET_WS, raising=False)
-    assert indexer_host.grouped_workspace_bytes() == indexer_host.GROUPED_WORKSPACE_BYTES == 1 << 30
+    # the attention backward's deterministic workspace bound, one source
+    from mla_kernels.common.bwd_host import DET_WORKSPACE_BYTES
+
+    assert indexer_host.grouped_workspace_bytes() == indexer_host.GROUPED_WORKSPACE_BYTES == DET_WORKSPACE_BYTES
     monkeypatch.setenv(indexer_host.ENV_DET_WS, "64")
     assert indexer_host.grouped_workspace_bytes() == 64 << 20
     for bad in ("0", "-5", "1.5", "lots"):

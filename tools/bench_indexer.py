@@ -62,7 +62,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "instead of from block t mod n, the default), "
                          "loss_bulk (dk by bulk reduce), loss_bf16dk (dk by bf16x2 atomics, "
                          "MLA_KERNELS_INDEXER_DK=red_bf16, with dk's error vs the float32 atomics'), "
-                         "loss_det_modes (every deterministic dk mode), loss_grouped (deterministic: fixed_bulk64 beside grouped at its default and with a 2 GiB workspace), loss_noprefetch (the loss kernels "
+                         "loss_det_modes (every deterministic dk mode), loss_grouped (deterministic: fixed_bulk64 beside grouped at its default (4 GiB) and with 2 and 1 GiB workspaces), loss_noprefetch (the loss kernels "
                          "with MLA_KERNELS_INDEXER_LOSS_PREFETCH=0), loss_nodk (profiling: the backward "
                          "without dk), topk_parts (score and select kernels timed apart), score_profile "
                          "(the score kernel, bf16 and fp8: full, without its stores, MMAs alone; _hist<mode>: "
@@ -311,7 +311,7 @@ def rows(args):
             leaves = [dict(q=s["q"].clone().requires_grad_(True), k=s["k"].clone().requires_grad_(True),
                            w=s["w"].clone().requires_grad_(True)) for s in sets]
             # (deterministic, dk mode): MLA_KERNELS_INDEXER_DK (red, bulk, none) or
-            # MLA_KERNELS_INDEXER_DET ("" = the default fixed_bulk64, or one of the other modes)
+            # MLA_KERNELS_INDEXER_DET ("" = the default grouped, or one of the other modes)
             variants = ([(False, "red")] if "loss" in mine else []) + ([(True, "")] if "loss_det" in mine else [])
             variants += [(False, "bulk")] if ("loss_bulk" in mine and cuda) else []
             variants += [(False, "red_bf16")] if ("loss_bf16dk" in mine and cuda) else []
@@ -319,8 +319,8 @@ def rows(args):
             variants += [(False, "noprefetch"), (True, "noprefetch")] if ("loss_noprefetch" in mine and cuda) else []
             if "loss_det_modes" in mine and cuda:
                 variants += [(True, m) for m in ("fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")]
-            if "loss_grouped" in mine and cuda:  # the grouped mode at its default and a 2 GiB workspace
-                variants += [(True, "fixed_bulk64"), (True, "grouped"), (True, "grouped_2g")]
+            if "loss_grouped" in mine and cuda:  # the grouped mode at its default (4 GiB) and with 2 and 1 GiB workspaces
+                variants += [(True, "fixed_bulk64"), (True, "grouped"), (True, "grouped_2g"), (True, "grouped_1g")]
             variants += [(False, "shuffled"), (True, "shuffled")] if "loss_shuffled" in mine else []
             variants += [(False, "rotate")] if ("loss_rotate" in mine and cuda) else []
             for det, dk in variants:
@@ -337,9 +337,9 @@ def rows(args):
                     os.environ.pop("MLA_KERNELS_INDEXER_LOSS_ROTATE", None)
                 if dk in ("shuffled", "rotate"):
                     dk = ""
-                os.environ["MLA_KERNELS_INDEXER_DET_WS_MIB"] = "2048" if dk == "grouped_2g" else ""
-                if dk == "grouped_2g":
-                    dk = "grouped"  # the tag (_det_grouped_2g) keeps the workspace apart
+                os.environ["MLA_KERNELS_INDEXER_DET_WS_MIB"] = {"grouped_2g": "2048", "grouped_1g": "1024"}.get(dk, "")
+                if dk in ("grouped_2g", "grouped_1g"):
+                    dk = "grouped"  # the tag (_det_grouped_2g / _1g) keeps the workspace apart
                 os.environ["MLA_KERNELS_INDEXER_LOSS_PREFETCH"] = "0" if dk == "noprefetch" else "1"
                 os.environ["MLA_KERNELS_INDEXER_DET" if det else "MLA_KERNELS_INDEXER_DK"] = (
                     "" if det and dk in ("noprefetch", "") else ("red" if dk in ("noprefetch", "") else dk))

@@ -171,11 +171,14 @@ def workload() -> int:
     for var in indexer_host.LOSS_FWD_VARIANTS:
         step(f"loss fwd variant={var}", lambda var=var: loss_fwd(var))
     modes = (("red", False), ("bulk", False), ("red_bf16", False), ("fixed_bulk", True), ("fixed_bulk2", True), ("fixed_bulk64", True),
-             ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True), ("grouped", True))
+             ("fixed_bulk32x2", True), ("fixed_red", True), ("slots", True), ("grouped", True),
+             ("grouped_waves", True))
     for mode, det in modes:
         def loss_bwd(mode=mode, det=det):
             os.environ[indexer_host.ENV_DK] = mode if mode in ("bulk", "red_bf16") else "red"
-            os.environ[indexer_host.ENV_DET] = mode if det else "fixed_bulk64"
+            os.environ[indexer_host.ENV_DET] = ("grouped" if mode == "grouped_waves" else mode) if det else "fixed_bulk64"
+            # grouped_waves: 4 waves of 16 queries (a 1 MiB workspace)
+            os.environ[indexer_host.ENV_DET_WS] = "1" if mode == "grouped_waves" else ""
             qq, kk, ww = (x.clone().requires_grad_(True) for x in (q, k, w))
             rows = mk.indexer_loss(qq, kk, ww, idx, tgt, sm_scale=0.1, topk_length=tl, reduction="none",
                                    deterministic=det)

@@ -7,10 +7,11 @@ into one tile of :data:`TILE_KEYS` keys:
 
 * ``count``: counts them per key in shared memory and writes the chunk's counts,
   ``cursor[c, s]`` (every key of the tile, zeros included);
-* the host turns the counts into each chunk's first row per key: ``start[s]`` (the valid slots of
-  keys below ``s``) plus the counts of key ``s`` in the chunks before ``c``;
-* ``place``: loads those into shared cursors and gives every valid slot the next row of its key's
-  segment, ``pos[t, j] = atomicAdd(cursor[key], 1)`` (shared atomics): the rows
+* the host prefix-sums the counts over the chunks (inclusive, ``incl[c, s]``) and the keys'
+  totals into segment starts ``start[s]`` (the valid slots of keys below ``s``);
+* ``place``: loads each key's first row for its chunk, ``start[s] + incl[c - 1, s]`` (the counts
+  of key ``s`` in the chunks before ``c``), into shared cursors and gives every valid slot the next
+  row of its key's segment, ``pos[t, j] = atomicAdd(cursor[key], 1)`` (shared atomics): the rows
   ``[start[s], start[s+1])`` of a workspace written at ``pos`` hold the slots that selected key
   ``s``.
 
@@ -37,6 +38,7 @@ from .device import slot_valid
 
 THREADS = 512
 TILE_KEYS = 16384  # keys per CTA's shared counters: 64 KiB
+BATCH = 16  # slots per lane whose index loads are issued together
 
 
 class KeyGroups:
@@ -56,8 +58,10 @@ class KeyGroups:
         mIdx: cute.Tensor,  # [n_q, topk] int32
         mTopkLen: cute.Tensor,  # [n_q] int32 (read only if has_topk_length)
         mInv: cute.Tensor,  # [n_q] f32: 0 = inactive row (no slot of it counts)
-        mCursor: cute.Tensor,  # [ceil(n_q / chunk), s_kv] int32: each chunk's counts (count) / first rows (place)
+        mCursor: cute.Tensor,  # [ceil(n_q / chunk), s_kv] int32: each chunk's counts (count) / their
+        #                        inclusive prefix sums over the chunks (place)
         mPos: cute.Tensor,  # [n_q, topk] int32: each valid slot's row (written only by place)
+        mStart: cute.Tensor,  # [s_kv + 1] int32: each key's segment start (read only by place)
         s_kv: Int32,
         stream,
     ):
@@ -65,14 +69,14 @@ class KeyGroups:
         class SharedStorage:
             cur: cute.struct.Align[cute.struct.MemRange[Int32, TILE_KEYS], 16]
 
-        self.kernel(mIdx, mTopkLen, mInv, mCursor, mPos, s_kv, SharedStorage).launch(
+        self.kernel(mIdx, mTopkLen, mInv, mCursor, mPos, mStart, s_kv, SharedStorage).launch(
             grid=[(mIdx.shape[0] + self.chunk - 1) // self.chunk, (s_kv + TILE_KEYS - 1) // TILE_KEYS, 1],
             block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, mTopkLen: cute.Tensor, mInv: cute.Tensor, mCursor: cute.Tensor,
-               mPos: cute.Tensor, s_kv: Int32, SharedStorage: cutlass.Constexpr):
+               mPos: cute.Tensor, mStart: cute.Tensor, s_kv: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, tile, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -85,24 +89,32 @@ class KeyGroups:
             v = Int32(0)
             if const_expr(self.place):
                 if i < n_keys:
-                    v = mCursor[chunk, k0 + i]
+                    v = mStart[k0 + i]
+                    if chunk > 0:
+                        v = v + mCursor[chunk - 1, k0 + i]
             sCur[i] = v
         cute.arch.sync_threads()
-        t0 = chunk * self.chunk
-        t1 = cutlass.min(t0 + self.chunk, mIdx.shape[0])
-        for t in cutlass.range(t0, t1, unroll=1):
+        # one warp per query row of the chunk, BATCH slots per lane and step: the batch's indices
+        # are all loaded before its atomics, so BATCH loads are in flight per lane
+        lane = tidx % 32
+        t1 = cutlass.min(chunk * self.chunk + self.chunk, mIdx.shape[0])
+        rIdx = cute.make_rmem_tensor((BATCH,), Int32)
+        for t in cutlass.range(chunk * self.chunk + tidx // 32, t1, THREADS // 32, unroll=1):
             limit = topk
             if const_expr(self.has_topk_length):
                 limit = mTopkLen[t]
             if mInv[t] == Float32(0.0):
                 limit = Int32(0)  # inactive row: the backward writes none of its slots
-            for j in cutlass.range(tidx, topk, THREADS, unroll=4):
-                idx = mIdx[t, j]
-                key = idx - k0
-                if slot_valid(idx, j, s_kv, limit) and key >= 0 and key < n_keys:
-                    p = cute.arch.atomic_add(sCur.iterator + key, Int32(1))
-                    if const_expr(self.place):
-                        mPos[t, j] = p
+            for j0 in cutlass.range(0, topk, 32 * BATCH, unroll=1):
+                for u in cutlass.range_constexpr(BATCH):
+                    rIdx[u] = mIdx[t, cutlass.min(j0 + 32 * u + lane, topk - 1)]
+                for u in cutlass.range_constexpr(BATCH):
+                    j = j0 + 32 * u + lane
+                    idx = rIdx[u]
+                    if j < topk and slot_valid(idx, j, s_kv, limit) and idx >= k0 and idx - k0 < n_keys:
+                        p = cute.arch.atomic_add(sCur.iterator + (idx - k0), Int32(1))
+                        if const_expr(self.place):
+                            mPos[t, j] = p
         if const_expr(not self.place):
             cute.arch.sync_threads()
             for i in cutlass.range(tidx, n_keys, THREADS, unroll=1):
@@ -122,6 +134,7 @@ def compile_key_groups(place: bool, has_topk_length: bool, chunk: int, arch: str
         host.fake(Float32, (cute.sym_int(),), align=4),
         host.fake(Int32, (cute.sym_int(), cute.sym_int()), align=4),
         host.fake(Int32, (cute.sym_int(), cute.sym_int()), align=4),
+        host.fake(Int32, (cute.sym_int(),), align=4),
         Int32(0),
         host.fake_stream(),
     )

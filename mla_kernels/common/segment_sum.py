@@ -134,6 +134,14 @@ class FixedSegmentSum:
         end = mSegStart[seg + 1]
         if start < end:  # the same for every thread of the CTA
             scale = mScale[0]
+            # this thread's accumulator columns, loaded now: their latency hides under the rows
+            n_out = (self.d + self.THREADS - 1) // self.THREADS
+            prev = cute.make_rmem_tensor((n_out,), Int64)
+            for c in cutlass.range_constexpr(n_out):
+                cc = c * self.THREADS + tidx
+                prev[c] = Int64(0)
+                if cc < self.d:
+                    prev[c] = mAcc[seg, cc]
             grp = tidx // self.lanes
             col = 8 * (tidx % self.lanes)
             acc = cute.make_rmem_tensor((8,), Int64)
@@ -154,10 +162,10 @@ class FixedSegmentSum:
             for c in cutlass.range_constexpr((self.d + self.THREADS - 1) // self.THREADS):
                 cc = c * self.THREADS + tidx
                 if cc < self.d:
-                    tot = Int64(0)
+                    tot = prev[c]
                     for g in cutlass.range_constexpr(self.groups):
                         tot = tot + sPart[g * self.d + cc]
-                    mAcc[seg, cc] = mAcc[seg, cc] + tot
+                    mAcc[seg, cc] = tot
 
 
 def compile_fixed_segment_sum(d: int, arch: str = "sm_90a", **kw):

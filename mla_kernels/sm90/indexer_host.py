@@ -16,23 +16,26 @@ launches.
   ``-inf`` (the kernel skips key tiles outside every range of a query tile).
 * ``indexer_loss`` forward / backward (``indexer_loss_fwd.py``, ``indexer_loss_bwd.py``):
   ``topk`` padded to a multiple of 64 with -1 slots (target 0); ``dk`` accumulated in a float32
-  ``[s_kv, d]`` workspace (16-byte float atomics).  With ``deterministic`` (default
-  ``fixed_bulk64``, :data:`ENV_DET`): accumulated in fixed point, ``round(x * 2^e)`` added as
-  64-bit integers into an int64 ``[s_kv, d]`` workspace -- integer addition is associative, so
-  the bits do not depend on the order the additions land in -- and converted back
-  (``/ 2^e``, float64, then k's dtype).  ``2^e`` (:func:`fixed_point_scale`, computed on the device,
-  no synchronisation) is the largest power of two with ``4 B 2^e <= 2^62`` for a bound ``B`` on
-  every partial sum of every dk element: ``|dK_slot[c]| <= |g_t| sum_j |w_eff[t, j]| max|q_t|``
-  (``|pi - p| <= 1``), summed over the queries.  The absolute resolution is ``2^-e``, ~``B 2^-60``;
-  non-finite gradients (``g``, ``w``, ``q`` with inf/NaN) give a meaningless dk in this mode.
-  ``slots`` (the first deterministic mode): each slot's row written into a workspace of at most
-  :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave of queries and summed per key
-  in a fixed order (stable sort + segment sum, as the attention backward's deterministic mode).
-  ``grouped`` (opt-in; faster than ``fixed_bulk64`` but up to :data:`GROUPED_WORKSPACE_BYTES` of
+  ``[s_kv, d]`` workspace (16-byte float atomics).  With ``deterministic`` (:data:`ENV_DET`) the
+  dk sums are fixed-point integers, ``round(x * 2^e)`` added as int64 -- integer addition is
+  associative, so the bits do not depend on the order the additions land in -- converted back at
+  the end (``/ 2^e``, float64, then k's dtype).  ``2^e`` (:func:`fixed_point_scale`, computed on
+  the device, no synchronisation) is the largest power of two with ``4 B 2^e <= 2^62`` for a
+  bound ``B`` on every partial sum of every dk element: ``|dK_slot[c]| <= |g_t| sum_j |w_eff[t, j]|
+  max|q|`` (``|pi - p| <= 1``), summed over the queries.  The absolute resolution is ``2^-e``,
+  ~``B 2^-60``; non-finite gradients (``g``, ``w``, ``q`` with inf/NaN) give a meaningless dk in
+  these modes.  ``grouped`` (the default, since the S 32k backward measured 1.44-1.47x the
+  default's with it, 2.05x with ``fixed_bulk64``; up to :data:`GROUPED_WORKSPACE_BYTES` of
   workspace): per wave of queries each valid slot gets a row of its key's segment
   (``common/key_groups.py``), the kernel stores the slot's dK row there in bf16 and
-  ``FixedSegmentSum`` adds each key's rows in 64-bit fixed point (same scale as above) -- one bf16
-  rounding per slot row, then an exact sum (see :func:`_grouped_dk`).
+  ``FixedSegmentSum`` adds each key's rows into an int64 ``[s_kv, d]`` accumulator -- one bf16
+  rounding per slot row (as the attention backward's deterministic mode), then an exact sum (see
+  :func:`_grouped_dk`).  ``fixed_bulk64`` (73 MiB at S 32k instead of up to 4 GiB): the kernel
+  adds every slot's float32 row as int64 by bulk reductions into the accumulator (the other
+  ``fixed_*`` modes are its variants).  ``slots`` (the first deterministic mode): each slot's
+  float32 row written into a workspace of at most
+  :data:`~mla_kernels.common.bwd_host.DET_WORKSPACE_BYTES` per wave of queries and summed per key
+  in a fixed order (stable sort + segment sum).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 
 from .. import _compile
 from ..common import host
+from ..common.bwd_host import DET_WORKSPACE_BYTES
 from ..common.kernel_backend import cached
 
 #: Upper bound of the top-k's score workspace (float32 rows of s_kv scores).
@@ -52,16 +56,19 @@ WORKSPACE_BYTES = 512 << 20
 #: (8-byte bf16x2 atomics into a bf16 workspace: half the bytes, every addition rounded to bf16 --
 #: an opt-in, less exact) or ``bulk`` (rows staged in smem, one ``cp.reduce.async.bulk`` per row).
 ENV_DK = "MLA_KERNELS_INDEXER_DK"
-#: How the deterministic loss backward adds dk: ``fixed_bulk64`` (default), ``fixed_bulk``,
-#: ``fixed_bulk2``, ``fixed_bulk32x2``, ``fixed_red`` (fixed-point int64 sums, see the module
-#: docstring and ``indexer_loss_bwd.py``), ``grouped`` (bf16 per-slot rows grouped by key, summed
-#: in fixed point) or ``slots`` (per-slot rows, sort + segment sum).
+#: How the deterministic loss backward adds dk: ``grouped`` (default: bf16 per-slot rows grouped
+#: by key, summed in fixed point), ``fixed_bulk64``, ``fixed_bulk``, ``fixed_bulk2``,
+#: ``fixed_bulk32x2``, ``fixed_red`` (float32 rows added as fixed-point int64 by the kernel, see
+#: the module docstring and ``indexer_loss_bwd.py``) or ``slots`` (per-slot rows, sort + segment
+#: sum).
 #: ``MLA_KERNELS_INDEXER_DK=none`` (profiling only) skips dk altogether.
 ENV_DET = "MLA_KERNELS_INDEXER_DET"
-DET_MODES = ("fixed_bulk64", "grouped", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")
+DET_MODES = ("grouped", "fixed_bulk64", "fixed_bulk", "fixed_bulk2", "fixed_bulk32x2", "fixed_red", "slots")
 #: ``grouped``: the bf16 per-slot rows of up to this many bytes per wave of queries
-#: (``MLA_KERNELS_INDEXER_DET_WS_MIB`` overrides it, in MiB).
-GROUPED_WORKSPACE_BYTES = 1 << 30
+#: (``MLA_KERNELS_INDEXER_DET_WS_MIB`` overrides it, in MiB): the attention backward's
+#: deterministic bound (``bwd_host.DET_WORKSPACE_BYTES``, 4 GiB: 4 waves at S 32k; 1 GiB measured
+#: 1.51-1.53x the default backward, 2 GiB 1.46-1.49x, 4 GiB 1.44-1.46x, docs/PERF.md)
+GROUPED_WORKSPACE_BYTES = DET_WORKSPACE_BYTES
 ENV_DET_WS = "MLA_KERNELS_INDEXER_DET_WS_MIB"
 #: ``grouped``: queries per CTA of the key grouping (``common/key_groups.py``)
 KEY_GROUP_CHUNK = 32
@@ -485,7 +492,7 @@ def run_loss_fwd(p):
 def dk_mode(deterministic: bool) -> str:
     """The loss backward's dk mode for this call (environment: :data:`ENV_DK`, :data:`ENV_DET`)."""
     if deterministic:
-        mode = os.environ.get(ENV_DET, "fixed_bulk64").strip().lower() or "fixed_bulk64"
+        mode = os.environ.get(ENV_DET, "grouped").strip().lower() or "grouped"
         if mode not in DET_MODES:
             raise ValueError(f"{ENV_DET}={mode!r}: expected one of {', '.join(DET_MODES)}")
         return mode
@@ -497,13 +504,14 @@ def dk_mode(deterministic: bool) -> str:
 
 def fixed_point_scale(q: torch.Tensor, w_eff: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``2^e`` (float32 ``[1]``, on the device, no synchronisation) for the fixed-point dk: the
-    largest power of two with ``4 B 2^e <= 2^62``, ``B = sum_t |g_t| sum_j |w_eff[t, j]| max|q_t|``
+    largest power of two with ``4 B 2^e <= 2^62``, ``B = max|q| sum_t |g_t| sum_j |w_eff[t, j]|``
     bounding every partial sum of every dk element (see the module docstring); clamped to
-    ``2^[-126, 126]``."""
-    s_q = q.shape[0]
-    lo, hi = torch.aminmax(q.reshape(s_q, -1), dim=1)
+    ``2^[-126, 126]``.  One ``max|q|`` over the whole tensor (a full reduction: 0.19 ms at S 32k on
+    an H200, where the per-query maxima took 0.35); the bound is at most that much looser, out of
+    ~60 bits of resolution."""
+    lo, hi = torch.aminmax(q)
     qmax = torch.maximum(lo.float().abs(), hi.float().abs())
-    bound = (g.abs() * w_eff.abs().sum(1) * qmax).sum() * 4.0
+    bound = (g.abs() * w_eff.abs().sum(1)).sum() * qmax * 4.0
     e = torch.floor(62.0 - torch.log2(bound.clamp_min(2.0 ** -120)))
     e = torch.nan_to_num(e, nan=-126.0, posinf=126.0, neginf=-126.0).clamp(-126.0, 126.0)
     return torch.exp2(e).reshape(1).float().contiguous()
@@ -563,19 +571,19 @@ def _grouped_dk(p, fn, args_of, idx, tl, inv, topk_p, scale):
         c1 = min(p.s_q, c0 + wave)
         tl_c = tl[c0:c1] if has_tl else tl
         cnt = per_chunk[: -(-(c1 - c0) // KEY_GROUP_CHUNK)]
-        count(idx[c0:c1], tl_c, inv[c0:c1], cnt, pos, p.s_kv)
-        # each chunk's first row per key: the key's segment start + the counts of the chunks before
-        first = torch.cumsum(cnt, 0, dtype=torch.int32)
-        torch.cumsum(first[-1], 0, dtype=torch.int32, out=start[1:])
-        first.sub_(cnt).add_(start[:-1])
-        place(idx[c0:c1], tl_c, inv[c0:c1], first, pos, p.s_kv)
+        count(idx[c0:c1], tl_c, inv[c0:c1], cnt, pos, start, p.s_kv)
+        # the counts summed over the chunks up to each chunk (inclusive) and over the keys (the
+        # segment starts); place adds the two into each chunk's first row per key
+        incl = torch.cumsum(cnt, 0, dtype=torch.int32)
+        torch.cumsum(incl[-1], 0, dtype=torch.int32, out=start[1:])
+        place(idx[c0:c1], tl_c, inv[c0:c1], incl, pos, start, p.s_kv)
         fn(*args_of(c0, c1), ws, scale, pos[: c1 - c0], p.sm_scale)
         seg_sum(ws, start, acc, scale)
     return acc
 
 
 def run_loss_bwd(p, grad_rows, lse, inv, deterministic: bool):
-    from ..common.bwd_host import DET_WORKSPACE_BYTES, reduce_slot_rows
+    from ..common.bwd_host import reduce_slot_rows
     from ..reference import valid_mask
 
     idx, tgt, w_eff, tl, topk_p = _loss_inputs(p)

@@ -20,14 +20,16 @@ rows gathered by ``cp.async`` through :class:`~mla_kernels.common.indexer_device
    modes: ``fixed_*`` add ``round(dK * 2^e)`` as 64-bit integers into an int64 ``[s_kv, d]``
    workspace (integer addition is associative: the sum is the same whatever order the additions
    arrive in; ``2^e`` comes from the host's bound on every partial sum, see ``indexer_host``) --
-   ``fixed_bulk64`` (the default; fastest measured) stages each whole 64-column chunk in smem and
+   ``fixed_bulk64`` (the fastest of these; ``deterministic=True``'s default here, the host's is
+   ``slots_bf16`` below) stages each whole 64-column chunk in smem and
    adds one 512-byte row per ``cp.reduce.async.bulk .add.u64`` (3 key stages instead of 4, for
    smem); ``fixed_bulk`` 32-column pieces (4 stages), ``fixed_bulk2`` 16-column pieces in two
    alternating buffers (the wait for a piece's smem read overlaps the next piece),
    ``fixed_bulk32x2`` 32-column pieces in two buffers (3 stages); ``fixed_red`` 8-byte ``red.global.add.u64`` from registers --; ``slots`` stores each slot's row to the query's own
    workspace rows (the host sums them in a fixed order: sort + segment sum); ``slots_bf16`` the
    same rows rounded to bf16 (8-byte stores) at the workspace row ``pos[t, j]`` the host gave
-   each valid slot, grouped by key (``indexer_host``'s ``grouped`` mode, summed in fixed point).  ``none`` (profiling
+   each valid slot, grouped by key (``indexer_host``'s ``grouped`` mode, the default deterministic
+   one: summed in fixed point after the kernel).  ``none`` (profiling
    only: dk is not formed) measures what the dk additions cost;
 4. ``dS^T`` through shared memory (stmatrix) for ``dq_t += dS K_sel`` (wgmma SS, both operands
    MN-major views), accumulated in registers over the blocks.
