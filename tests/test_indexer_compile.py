@@ -151,7 +151,7 @@ def test_loss_kernels(report):
 
 @pytest.mark.compile
 def test_grouped_deterministic_dk_kernels(report):
-    """The ``grouped`` deterministic dk (opt-in): the loss backward stores each valid slot's dK
+    """The ``grouped`` deterministic dk (the default deterministic mode): the loss backward stores each valid slot's dK
     row as bf16 (8-byte stores, 8 per thread per 64-column chunk: 16 per block), no atomics; the
     key grouping counts and places with shared-memory atomics only (no global atomics); the
     fixed-point segment sum reads 16-byte bf16 pieces and rounds each value to int64

@@ -426,7 +426,7 @@ class PairedBlockConsumer:
             sM1[row0] = rM[0]
             sM1[row1] = rM[1]
         max1_ready.arrive()
-        # O_right += P1 V1_right (registers), then hand P1 to WG1, O_right += P0 V0_right
+        # O_right += P1 V1_right (registers), then hand P1 to WG0, O_right += P0 V0_right
         self.tOrP_acc.store(acc_s.load().to(BFloat16))
         self.pv(True, self.tOrP, tOrV_own)
         cute.copy(self.thr_st_p, self.tPrP, self.tPsS1)

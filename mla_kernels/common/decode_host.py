@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import host
+from . import fastpath, host
 
 D_V = 512
 
@@ -172,17 +172,6 @@ AUTO_RESPLIT = 8
 DEFAULT_CLUSTER_PARTS = "bf16"
 
 
-def _choice(env: str, choices, default: str) -> str:
-    """The value of knob ``env`` (stripped; ``default`` when unset), one of ``choices``, else a
-    ValueError naming the knob and the choices."""
-    import os
-
-    v = os.environ.get(env, default).strip()
-    if v not in choices:
-        raise ValueError(f"{env}={v!r}: expected one of {', '.join(choices)}")
-    return v
-
-
 def combine_mode() -> str:
     """How a split plan merges its parts, read when a plan is made: ``MLA_KERNELS_DECODE_COMBINE``
     = ``auto`` (default: ``cluster`` for plans whose clusters all fit on the GPU, possibly with 8
@@ -192,7 +181,7 @@ def combine_mode() -> str:
     thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; 64-head kernel, split
     counts 2/4/8/16 only -- other plans fall back to ``separate``).  docs/PERF.md says which
     measures faster."""
-    return _choice(ENV_COMBINE, COMBINE_MODES, DEFAULT_COMBINE)
+    return fastpath.knob_choice(ENV_COMBINE, COMBINE_MODES, DEFAULT_COMBINE)
 
 
 CLUSTER_PARTS = ("f32", "bf16", "l2")
@@ -211,7 +200,7 @@ def cluster_knobs():
     mx = os.environ.get(ENV_CLUSTER_MAX, str(DEFAULT_CLUSTER_MAX)).strip()
     if mx not in tuple(str(c) for c in CLUSTER_SIZES):
         raise ValueError(f"{ENV_CLUSTER_MAX}={mx!r}: expected one of 2, 4, 8, 16")
-    return int(mx), _choice(ENV_CLUSTER_PARTS, CLUSTER_PARTS, DEFAULT_CLUSTER_PARTS)
+    return int(mx), fastpath.knob_choice(ENV_CLUSTER_PARTS, CLUSTER_PARTS, DEFAULT_CLUSTER_PARTS)
 
 
 def cluster_capacity(device: torch.device, cluster: int, num_sms: int) -> int:
@@ -343,7 +332,7 @@ def parts_dtype_name() -> str:
     ``MLA_KERNELS_DECODE_PARTS`` = ``f32`` (default) or ``bf16`` (half the bytes the split kernel
     stores and the combine reads; each part rounded to bf16 once before the merge -- measured
     2-21% slower at b 1-2 on an H200, docs/PERF.md).  The fused combine always uses float32 parts."""
-    return _choice(ENV_PARTS, PARTS_DTYPES, DEFAULT_PARTS)
+    return fastpath.knob_choice(ENV_PARTS, PARTS_DTYPES, DEFAULT_PARTS)
 
 
 def l2_evict_first(h_q: int) -> bool:
@@ -374,7 +363,7 @@ def page_div_mode() -> str:
     Measured on an H200 (docs/PERF.md, decode, eighth round): magic 0.4-0.6% slower at b 128 for
     h_q 64 / 128 (IQRs overlap), equal at h_q 32, 0.6% faster at h_q 16, 1.7% faster at b 2 --
     not faster where the targets are, so not the default."""
-    return _choice(ENV_PAGEDIV, PAGEDIV_MODES, DEFAULT_PAGEDIV)
+    return fastpath.knob_choice(ENV_PAGEDIV, PAGEDIV_MODES, DEFAULT_PAGEDIV)
 
 
 ENV_O_MODE = "MLA_KERNELS_DECODE_O"
@@ -388,7 +377,7 @@ def decode_o_mode() -> str:
     smem, one 1 KB bulk copy per head row) or ``regs`` (8-byte stores from the accumulator
     registers).  Bit for bit the same outputs; on an H200 bulk made the b 128 s_q 2 h 128 step
     1.043x and b 128 s_q 1 h 64 1.030x faster (docs/PERF.md)."""
-    return _choice(ENV_O_MODE, O_MODES, DEFAULT_O_MODE)
+    return fastpath.knob_choice(ENV_O_MODE, O_MODES, DEFAULT_O_MODE)
 
 
 ENV_RING = "MLA_KERNELS_DECODE_RING"
@@ -402,7 +391,7 @@ def decode_ring_mode() -> str:
     swap owners every pair, so that WG0's block is always made of the two halves freed early in
     the previous pair: ``common/decode_device.PairedBlockConsumer.loop``) or ``auto`` (default:
     :func:`ring_for`).  Bit for bit the same outputs."""
-    return _choice(ENV_RING, RING_MODES, DEFAULT_RING)
+    return fastpath.knob_choice(ENV_RING, RING_MODES, DEFAULT_RING)
 
 
 def ring_for(mode: str, split: bool) -> str:

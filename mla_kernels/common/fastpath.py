@@ -60,6 +60,15 @@ def knob(name: str, default: Optional[str] = None) -> Optional[str]:
     return default if v is None else v
 
 
+def knob_choice(name: str, choices, default: str) -> str:
+    """:func:`knob` ``name`` (stripped; ``default`` when unset), one of ``choices``, else a
+    ValueError naming the knob and the choices."""
+    v = knob(name, default).strip()
+    if v not in choices:
+        raise ValueError(f"{name}={v!r}: expected one of {', '.join(choices)}")
+    return v
+
+
 class recording:
     """Context manager: collect the knobs read by the host path inside it (``.knobs``: name ->
     raw value).  Nested recordings each see every read of their extent."""

@@ -47,10 +47,7 @@ def fwd_ring() -> str:
     ``common/decode_device.PairedBlockConsumer.loop``; H200, interleaved: 1.2-2.8% faster at h_q
     128 s_kv 8k / 32k and h_q 64, docs/PERF.md) or ``fixed`` (block 0 of every pair in buffer 0).
     Bit for bit the same outputs."""
-    v = fastpath.knob("MLA_KERNELS_FWD_RING", DEFAULT_FWD_RING).strip()
-    if v not in FWD_RINGS:
-        raise ValueError(f"MLA_KERNELS_FWD_RING={v!r}: expected one of {', '.join(FWD_RINGS)}")
-    return v
+    return fastpath.knob_choice("MLA_KERNELS_FWD_RING", FWD_RINGS, DEFAULT_FWD_RING)
 
 
 def attn_dist_mode(h_q: int) -> str:

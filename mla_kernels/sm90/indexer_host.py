@@ -24,7 +24,7 @@ launches.
   bound ``B`` on every partial sum of every dk element: ``|dK_slot[c]| <= |g_t| sum_j |w_eff[t, j]|
   max|q|`` (``|pi - p| <= 1``), summed over the queries.  The absolute resolution is ``2^-e``,
   ~``B 2^-60``; non-finite gradients (``g``, ``w``, ``q`` with inf/NaN) give a meaningless dk in
-  these modes.  ``grouped`` (the default, since the S 32k backward measured 1.44-1.47x the
+  these modes.  ``grouped`` (the default, since the S 32k backward measured 1.44-1.48x the
   default's with it, 2.05x with ``fixed_bulk64``; up to :data:`GROUPED_WORKSPACE_BYTES` of
   workspace): per wave of queries each valid slot gets a row of its key's segment
   (``common/key_groups.py``), the kernel stores the slot's dK row there in bf16 and
@@ -67,7 +67,7 @@ DET_MODES = ("grouped", "fixed_bulk64", "fixed_bulk", "fixed_bulk2", "fixed_bulk
 #: ``grouped``: the bf16 per-slot rows of up to this many bytes per wave of queries
 #: (``MLA_KERNELS_INDEXER_DET_WS_MIB`` overrides it, in MiB): the attention backward's
 #: deterministic bound (``bwd_host.DET_WORKSPACE_BYTES``, 4 GiB: 4 waves at S 32k; 1 GiB measured
-#: 1.51-1.53x the default backward, 2 GiB 1.46-1.49x, 4 GiB 1.44-1.46x, docs/PERF.md)
+#: 1.51-1.54x the default backward, 2 GiB 1.46-1.50x, 4 GiB 1.44-1.48x, docs/PERF.md)
 GROUPED_WORKSPACE_BYTES = DET_WORKSPACE_BYTES
 ENV_DET_WS = "MLA_KERNELS_INDEXER_DET_WS_MIB"
 #: ``grouped``: queries per CTA of the key grouping (``common/key_groups.py``)

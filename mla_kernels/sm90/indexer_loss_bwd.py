@@ -223,7 +223,7 @@ class IndexerLossBwdSm90:
         odd = (lane_quad & 1) != 0
         r8 = lane // 4
         srow0 = (tidx // 32) * 16 + 4 * (r8 >> 2) + 8 * (lane_quad & 1)
-        elem_bytes = 8 if const_expr(self.fixed) else (2 if const_expr(self.dk_mode in ("red_bf16", "slots_bf16")) else 4)
+        elem_bytes = 8 if const_expr(self.fixed) else (2 if const_expr(self.dk_mode == "red_bf16" or self.rows_bf16) else 4)
         ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((8 * (r8 & 3) + 4 * (lane_quad >> 1)) * elem_bytes)
         row_bytes = self.d * elem_bytes
 
