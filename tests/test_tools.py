@@ -203,3 +203,18 @@ def test_host_time_cli_on_cpu_and_its_stage_wrappers(capsys, monkeypatch):
         assert api.check_inputs is not orig  # wrapped while inside
     assert api.check_inputs is orig
     assert all(obj.__dict__.get(attr) is f for obj, attr, f in before)
+
+
+def test_decode_variants_still_apply_to_the_tree(tmp_path):
+    """Every phase-dropping edit of tools/decode_variants.py still matches the kernels' source
+    (a stale edit would stop the profiling by subtraction), alone and joined by '+'."""
+    mod = load("decode_variants")
+    names = list(mod.EDITS) + ["empty+noq+nomerge+nosync+nostage"]
+    mod.make(str(tmp_path), names)
+    for name in names:
+        for part in name.split("+"):
+            for f in mod.EDITS[part]:
+                edited = open(os.path.join(tmp_path, name, f)).read()
+                assert edited != open(os.path.join(ROOT, f)).read(), (name, part, f)
+    with pytest.raises(SystemExit, match="unknown variant"):
+        mod.make(str(tmp_path), ["noq+bogus"])

@@ -16,6 +16,14 @@ design, only the timing means something):
 * ``nosoftmax``-- the 64-head kernel's online softmax skipped (masks and PV kept)
 * ``noq``      -- no Q load (both kernels; the MMAs read whatever the smem holds)
 * ``nopre``    -- the combine without its part prefetch (``PREFETCH = 0``: three L2 round trips)
+* ``nomerge``  -- the cluster merge (``cluster_merge.merge_slice``) dropped; its two cluster barriers kept
+* ``nosync``   -- the cluster barriers dropped (timing only: with ``nomerge``, nothing reads a peer)
+* ``nostage``  -- the cluster CTAs do not stage their partial O in shared memory
+* ``noremote`` -- the merge reads its own staged rows instead of the peers' (no DSMEM data traffic)
+* ``nodata``   -- the merge loads no row data (the peers' lse loads, the weights and the stores kept)
+* ``nogstore`` -- the merge stores no output rows (its sums, then dead, go with them)
+
+Names joined by ``+`` (``empty+noq+nomerge``) apply several edits to one copy.
 
 Note: a variant that leaves a result unused lets the compiler drop the work behind it too (``nostore``
 removes the PV products with the O stores: check a variant's SASS with tools/compile_report.py).
@@ -36,6 +44,7 @@ DH = "mla_kernels/common/decode_host.py"
 DD = "mla_kernels/common/decode_device.py"
 DEC = "mla_kernels/sm90/decode.py"
 NAR = "mla_kernels/sm90/decode_narrow.py"
+CM = "mla_kernels/common/cluster_merge.py"
 
 EDITS = {
     "nocomb": {DH: [('        st["combine"](st["parts3"]', '        0 and st["combine"](st["parts3"]', 1)]},
@@ -44,8 +53,9 @@ EDITS = {
     "noload": {
         DP: [("                    self.ok[slot_b, j],\n                    self.policy,",
               "                    Boolean(False),\n                    self.policy,", 1),
-             ("    def index_at(self, slot):\n        pos = self.mIdx[",
-              "    def index_at(self, slot):\n        return Int32(0), slot < self.topk_len\n        pos = self.mIdx[", 1)],
+             ("    def index_at(self, slot):\n        pos = self.fetch_slot(slot)",
+              "    def index_at(self, slot):\n        return Int32(0), slot < self.topk_len\n        pos = self.fetch_slot(slot)",
+              1)],
     },
     "nostore": {
         DEC: [("                dev.st_global_v4_f32(addr, v0, v1, v2, v3)", "                pass", 1),
@@ -60,8 +70,17 @@ EDITS = {
     "noq": {DEC: [("            dp.load_q_tile(", "            (lambda *a: None)(", 1)],
             NAR: [("            dp.load_q_tile(", "            (lambda *a: None)(", 1)]},
     "nopre": {"mla_kernels/common/combine.py": [("PREFETCH = 16\n", "PREFETCH = 0\n", 1)]},
-    "nosoftmax": {DD: [("                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])\n", "", 1),
-                       ("                dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])\n",
+    "nomerge": {DEC: [("                cm.merge_slice(", "                (lambda *a, **k: None)(", 1)]},
+    "nosync": {DEC: [("cm.cluster_sync(True)", "(lambda *a: None)(True)", 2),
+                     ("cm.cluster_sync(False)", "(lambda *a: None)(False)", 3)]},
+    "nostage": {DEC: [("                cm.stage_o_v4(x_addr", "                (lambda *a: None)(x_addr", 1)]},
+    "noremote": {CM: [("        base = dev.mapa_shared(local, Int32(p))", "        base = local + Int32(0) * p", 1)]},
+    "nodata": {CM: [("                v = dev.ld_cluster_v4_bf16x2_f32(base + k * tph * 16)", "                v = [w] * 8", 1),
+                    ("                v = dev.ld_cluster_v4_f32(base + k * tph * 16)", "                v = [w] * 4", 1)]},
+    "nogstore": {CM: [("            dev.st_global_v4_b32(a, dev.pack", "            (lambda *a: None)(a, dev.pack", 1),
+                      ("            dev.st_global_v2_b32(a, dev.pack", "            (lambda *a: None)(a, dev.pack", 1)]},
+    "nosoftmax": {DD: [("        dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])\n", "", 1),
+                       ("        dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])\n",
                         "", 1)]},
 }
 
@@ -81,18 +100,22 @@ def make(out: str, names=None) -> None:
         blob = subprocess.run(["git", "-C", ROOT, "archive", "HEAD", "mla_kernels"], check=True,
                               capture_output=True).stdout
         tarfile.open(fileobj=io.BytesIO(blob)).extractall(dst)
-    for name, files in EDITS.items():
-        if names is not None and name not in names:
-            continue
+    wanted = list(EDITS) if names is None else [n for n in names if n != "base"]
+    for name in wanted:
+        parts = name.split("+")
+        unknown = [x for x in parts if x not in EDITS]
+        if unknown:
+            raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(EDITS)} (joined by '+')")
         dst = os.path.join(out, name)
         copy_pkg(dst)
-        for f, edits in files.items():
-            p = os.path.join(dst, f)
-            s = open(p).read()
-            for a, b, n in edits:
-                assert s.count(a) == n, (name, f, a, s.count(a))
-                s = s.replace(a, b)
-            open(p, "w").write(s)
+        for part in parts:
+            for f, edits in EDITS[part].items():
+                p = os.path.join(dst, f)
+                s = open(p).read()
+                for a, b, n in edits:
+                    assert s.count(a) == n, (name, f, a, s.count(a))
+                    s = s.replace(a, b)
+                open(p, "w").write(s)
     print(f"variants in {out}")
 
 
