@@ -555,6 +555,24 @@ def test_compile_options_checked(kw, opt):
         decode_host.compile_decode_kernel(NoOption(), 576, 64, False, "sm_90a", pagediv="fast")
 
 
+@pytest.mark.parametrize("split,want", [(False, True), (True, False)])
+def test_compile_default_ring_follows_the_kernels_mode(split, want, monkeypatch):
+    """Without a ``ring_alt`` the host applies ``ring_for``'s rule to the kernel's own mode (direct:
+    alternating, split / cluster: fixed); the kernel itself defaults to the fixed ring."""
+    from mla_kernels import _compile
+
+    class Kernel:
+        ring_alt = False
+
+    k = Kernel()
+    k.split = split
+    monkeypatch.setattr(_compile, "compile_kernel", lambda kernel, *a, **kw: "compiled")
+    assert decode_host.compile_decode_kernel(k, 576, 64, split, "sm_90a") == (k, "compiled")
+    assert k.ring_alt is want
+    decode_host.compile_decode_kernel(k, 576, 64, split, "sm_90a", ring_alt=not want)
+    assert k.ring_alt is (not want)
+
+
 @pytest.mark.parametrize("mode", ["magic", "generic"])
 @pytest.mark.parametrize("h", [16, 128])
 def test_sm90_host_passes_page_divisor(emulated_sm90, h, mode, monkeypatch):

@@ -88,23 +88,21 @@ def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, f
                           ring_alt: Optional[bool] = None, **kw):
     """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"generic"`` /
     ``"magic"``, default: the kernel's own, ``"generic"``): how its paged gather divides a position
-    by the page size (:func:`page_div_mode`)."""
+    by the page size (:func:`page_div_mode`); ``o_bulk``: direct mode's O by bulk copies (default:
+    the kernel's own); ``ring_alt``: the alternating KV ring (default: :func:`ring_for`'s rule for
+    the kernel's mode).  An option the kernel does not have is a ValueError."""
     from .. import _compile
 
-    if pagediv is not None:
-        if pagediv not in PAGEDIV_MODES:
-            raise ValueError(f"pagediv={pagediv!r}: expected one of {', '.join(PAGEDIV_MODES)}")
-        if not hasattr(kernel, "pagediv"):
-            raise ValueError(f"{type(kernel).__name__} has no pagediv option")
-        kernel.pagediv = pagediv
-    if o_bulk is not None:  # (None: the kernel's own default)
-        if not hasattr(kernel, "o_bulk"):
-            raise ValueError(f"{type(kernel).__name__} has no o_bulk option")
-        kernel.o_bulk = bool(o_bulk)
-    if ring_alt is not None:
-        if not hasattr(kernel, "ring_alt"):
-            raise ValueError(f"{type(kernel).__name__} has no ring_alt option")
-        kernel.ring_alt = bool(ring_alt)
+    if pagediv is not None and pagediv not in PAGEDIV_MODES:
+        raise ValueError(f"pagediv={pagediv!r}: expected one of {', '.join(PAGEDIV_MODES)}")
+    if ring_alt is None and hasattr(kernel, "ring_alt"):
+        ring_alt = ring_for(DEFAULT_RING, kernel.split) == "alt"
+    for name, value in (("pagediv", pagediv), ("o_bulk", o_bulk), ("ring_alt", ring_alt)):
+        if value is None:  # the kernel's own default
+            continue
+        if not hasattr(kernel, name):
+            raise ValueError(f"{type(kernel).__name__} has no {name} option")
+        setattr(kernel, name, value if name == "pagediv" else bool(value))
     parts_bf16 = split and getattr(kernel, "parts_bf16", False)
     return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
                                            **kw)

@@ -40,7 +40,6 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..common import cluster_merge as cm
 from ..common import decode_device as dd
-from ..common import decode_host as dh
 from ..common import decode_parts as dp
 from ..common import device as dev
 
@@ -97,9 +96,10 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_O)
         self.o_bulk = True
         # the alternating KV ring (``PairedBlockConsumer.loop(alt=True)``): the right halves of
-        # the two buffers swap owners every block pair.  Default: decode_host.ring_for's rule
-        # (direct mode only); set by decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_RING)
-        self.ring_alt = dh.ring_for(dh.DEFAULT_RING, split) == "alt"
+        # the two buffers swap owners every block pair; set by decode_host.compile_decode_kernel
+        # (decode_host.ring_for's rule -- direct mode only -- or MLA_KERNELS_DECODE_RING), as
+        # compile_fwd sets the forward's
+        self.ring_alt = False
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
