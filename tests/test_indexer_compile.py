@@ -361,9 +361,11 @@ def test_topk_select_variant_dispatch(monkeypatch):
     from mla_kernels.sm90 import indexer_topk
 
     assert ih.TOPK_MAX_ROW_CAP == indexer_topk.MAX_ROW_CAP
-    for name, (cap, batch, min_ctas, words, unroll) in ih.TOPK_VARIANTS.items():
-        k = indexer_topk.IndexerTopkSm90(False, batch, True, False, cap, min_ctas, words, unroll)
-        assert k.row_cap == cap and k.map_words == words, name
+    for name, (cap, batch, min_ctas, words, unroll, full) in ih.TOPK_VARIANTS.items():
+        k = indexer_topk.IndexerTopkSm90(False, batch, True, False, cap, min_ctas, words, unroll, full)
+        assert k.row_cap == cap and k.map_words == words and k.full_batches == full, name
+    with pytest.raises(ValueError, match="row_cap 0"):
+        indexer_topk.IndexerTopkSm90(False, row_cap=8192, full_batches=True)
     assert all(name in ih.TOPK_VARIANTS for _, name in ih.TOPK_AUTO) and ih.TOPK_AUTO[-1][0] is None
     monkeypatch.delenv(ih.ENV_TOPK_SMEM, raising=False)
     monkeypatch.delenv(ih.ENV_TOPK_VARIANT, raising=False)
@@ -438,14 +440,18 @@ def test_topk_kernel_with_shared_memory_rows():
     assert 4 * MAX_ROW_CAP < r["smem_bytes"] <= SMEM_LIMIT
     assert r["registers"] <= 128  # 512 threads on one SM
     assert sass.get("STS.128", 0) >= 1 and base.get("ATOMS", 0) > 0 and base.get("HGMMA", 0) == 0
-    cap, batch, min_ctas, words, unroll = ih.TOPK_VARIANTS["s8k"]
+    cap, batch, min_ctas, words, unroll, full = ih.TOPK_VARIANTS["s8k"]
+    assert not full
     r = cr.report_one("topk_s8k", lambda a, **kw: compile_topk(False, a, batch=batch, row_cap=cap, min_ctas=min_ctas,
                                                                 map_words=words, row_unroll=unroll, **kw),
                       "sm_90a", nvd)
     _common(r)
     assert r["registers"] <= 40 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024
     # b4m3 (the default for longer rows): bounded to 40 registers for 3 CTAs per SM (a few spills)
-    cap, batch, min_ctas, words, unroll = ih.TOPK_VARIANTS["b4m3"]
+    # and pass 2's whole batches without bounds checks (full_batches: two copies of its loop body)
+    cap, batch, min_ctas, words, unroll, full = ih.TOPK_VARIANTS["b4m3"]
+    assert full
     r = cr.report_one("topk_b4m3", lambda a, **kw: compile_topk(False, a, batch=batch, min_ctas=min_ctas,
-                                                                 map_words=words, **kw), "sm_90a", nvd)
+                                                                 map_words=words, full_batches=full, **kw),
+                      "sm_90a", nvd)
     assert r["registers"] <= 40 and r["spill_bytes"] <= 64 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024

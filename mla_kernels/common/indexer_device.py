@@ -93,14 +93,21 @@ def red_add_v2_bf16x2(gmem_addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-def ordered_key(x: Float32) -> Uint32:
+@dsl_user_op
+def ordered_key(x: Float32, *, loc=None, ip=None) -> Uint32:
     """``x`` as a uint32 key whose unsigned order is the float order.  NaN maps to the key of
-    -inf (it ranks below every number) and -0.0 to the key of +0.0 (they compare equal)."""
-    x = Float32(cutlass.select_(x == x, x, Float32(-math.inf)))
-    bits = f32_bits(x)
-    neg = (bits & Uint32(0x80000000)) != Uint32(0)
-    key = Uint32(cutlass.select_(neg, ~bits, bits | Uint32(0x80000000)))
-    return Uint32(cutlass.select_(x == Float32(0.0), Uint32(0x80000000), key))
+    -inf (it ranks below every number) and -0.0 to the key of +0.0 (they compare equal).
+
+    Four instructions, three of them on the ALU pipe (the select kernel's passes are bound by
+    it): ``max.f32 x, -inf`` (NaN -> -inf: ``max`` returns the operand that is not NaN),
+    ``add.rn.f32 +0`` on the FMA pipe (-0 -> +0; no ``.ftz``: subnormals keep their keys), then
+    ``bits ^ ((bits >> 31, arithmetic) | 0x80000000)`` (a shift and one ``LOP3``): negative
+    numbers get their bits inverted, the others the sign bit set."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .f32 y;\n.reg .b32 b, s;\nmax.f32 y, $1, 0fFF800000;\nadd.rn.f32 y, y, 0f00000000;\n"
+        "mov.b32 b, y;\nshr.s32 s, b, 31;\nor.b32 s, s, 0x80000000;\nxor.b32 $0, b, s;\n}",
+        "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def quad_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32) -> None:

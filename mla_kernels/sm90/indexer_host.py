@@ -79,7 +79,7 @@ ENV_TOPK_BATCH = "MLA_KERNELS_INDEXER_TOPK_BATCH"
 #: version) instead of from its shared selection bitmap.
 ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: The top-k (select) kernel's variants: name -> ``(row_cap, batch, min_ctas, map_words,
-#: row_unroll)`` (``indexer_topk.IndexerTopkSm90``'s options; ``batch`` here unless
+#: row_unroll, full_batches)`` (``indexer_topk.IndexerTopkSm90``'s options; ``batch`` here unless
 #: :data:`ENV_TOPK_BATCH` is set).  ``row_cap`` > 0: rows of at most that many keys read once into
 #: shared memory; ``min_ctas``: CTAs per SM the registers must allow; ``map_words``: the selection
 #: bitmap's words (rows of at most ``32 map_words`` keys written from it).  Every variant selects
@@ -88,22 +88,24 @@ ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #:
 #: * ``base``: the version before the variants: 42 / 42 registers, 72 KiB -> 2 per SM;
 #: * ``b2``: two warp steps of loads in flight instead of four: 35 / 35 -> 3 per SM;
-#: * ``b4m3``: ``base`` bounded to 3 per SM (40 registers, 32 bytes of spills);
+#: * ``b4m3``: ``base`` bounded to 3 per SM (40 registers, 32 bytes of spills), pass 2's whole batches
+#:   without bounds checks (``full_batches``: -10 to -13% per block of 12k-32k keys on an H200, the
+#:   same 40 registers and 32 bytes of spills; docs/PERF.md);
 #: * ``b2m4`` / ``b1m4``: a 1,024-word bitmap (rows of <= 32,768 keys), 44 KiB, 32 registers -> 4
 #:   per SM (40 / 0 bytes of spills without logits);
 #: * ``s8k``: rows of <= 8,192 keys in shared memory, 72 KiB, 36 / 43 registers -> 3 / 2 per SM;
 #: * ``s16k`` / ``s32k`` / ``s47k``: rows of <= 16,384 / 32,768 / 47,104 keys in shared memory,
 #:   104 / 168 / 225 KiB -> 2 / 1 / 1 per SM.
 TOPK_VARIANTS = {
-    "base": (0, 4, 0, 8192, 0),
-    "b2": (0, 2, 0, 8192, 0),
-    "b4m3": (0, 4, 3, 8192, 0),
-    "b2m4": (0, 2, 4, 1024, 0),
-    "b1m4": (0, 1, 4, 1024, 0),
-    "s8k": (8192, 2, 0, 8192, 2),
-    "s16k": (16384, 4, 0, 8192, 0),
-    "s32k": (32768, 4, 0, 8192, 0),
-    "s47k": (47104, 4, 0, 8192, 0),
+    "base": (0, 4, 0, 8192, 0, False),
+    "b2": (0, 2, 0, 8192, 0, False),
+    "b4m3": (0, 4, 3, 8192, 0, True),
+    "b2m4": (0, 2, 4, 1024, 0, False),
+    "b1m4": (0, 1, 4, 1024, 0, False),
+    "s8k": (8192, 2, 0, 8192, 2, False),
+    "s16k": (16384, 4, 0, 8192, 0, False),
+    "s32k": (32768, 4, 0, 8192, 0, False),
+    "s47k": (47104, 4, 0, 8192, 0, False),
 }
 #: ``indexer_topk.MAX_ROW_CAP`` (repeated here so that the host side does not import the kernel
 #: module; a test checks that they agree).
@@ -272,11 +274,11 @@ def score_pingpong() -> bool:
 
 
 def _compile_topk(return_logits, arch, batch, bitmap, pre_hist=False, row_cap=0, min_ctas=0, map_words=8192,
-                  row_unroll=0):
+                  row_unroll=0, full_batches=False):
     from .indexer_topk import compile_topk
 
     return compile_topk(return_logits, arch, batch=batch, bitmap=bitmap, pre_hist=pre_hist, row_cap=row_cap,
-                        min_ctas=min_ctas, map_words=map_words, row_unroll=row_unroll)
+                        min_ctas=min_ctas, map_words=map_words, row_unroll=row_unroll, full_batches=full_batches)
 
 
 def _compile_loss_fwd(d, has_tl, cap, arch, prefetch=True, parts=1, rotate=False, variant=LOSS_FWD_DEFAULT):
@@ -372,7 +374,9 @@ def block_longest(p, q0: int, n: int) -> int:
 def _topk_fn(p, return_logits: bool, pre_hist=False, variant="base"):
     """The compiled select kernel: ``variant`` a name of :data:`TOPK_VARIANTS` or its tuple."""
     arch = _arch(p)
-    row_cap, batch, min_ctas, map_words, unroll = TOPK_VARIANTS[variant] if isinstance(variant, str) else variant
+    spec = TOPK_VARIANTS[variant] if isinstance(variant, str) else variant
+    row_cap, batch, min_ctas, map_words, unroll = spec[:5]
+    full = bool(spec[5]) if len(spec) > 5 else False
     env_batch = os.environ.get(ENV_TOPK_BATCH, "").strip()
     if env_batch:
         batch = int(env_batch)
@@ -382,7 +386,8 @@ def _topk_fn(p, return_logits: bool, pre_hist=False, variant="base"):
     pre_hist = bool(pre_hist)
     if pre_hist:  # the fused histogram replaces the row pass that would fill shared memory
         row_cap = unroll = 0
-    opts = (batch, bitmap, pre_hist, row_cap, min_ctas, map_words, unroll)
+    full = full and row_cap == 0
+    opts = (batch, bitmap, pre_hist, row_cap, min_ctas, map_words, unroll, full)
     return cached(("IndexerTopkSm90", return_logits) + opts + (arch,),
                   lambda: _compile_topk(return_logits, arch, *opts))
 

@@ -14,7 +14,9 @@ order):
 
 1. a 2048-bin shared histogram of the top 11 key bits (16-byte loads) -> the threshold bin ``b``;
 2. per warp segment, the count of keys above ``b`` (and equal to it), and the keys of bin ``b``
-   collected into shared memory (at most :data:`CAP` of them);
+   collected into shared memory (at most :data:`CAP` of them); with ``full_batches`` the batches
+   wholly inside a warp's segment run without bounds checks, the last one with them
+   (:meth:`IndexerTopkSm90.pass2_batch`);
 3. the write pass.
 
 Between 2 and 3 the threshold is refined on the shared candidates (digits of 11 and 10 bits; a
@@ -44,6 +46,11 @@ from the global row: ``topk`` loads).  Rows longer than ``row_cap`` take the glo
 the same kernel.  Shared memory: ``40 KiB + 4 (row_cap + 4)`` bytes -- 104 KiB at 16,384 keys (2
 CTAs per SM, as the 42-register kernel without it), 168 KiB at 32,768 and 225 KiB at
 :data:`MAX_ROW_CAP` (1 CTA per SM).
+
+Both row passes are bound by the ALU pipe (Nsight Compute, H200: issue slots 64-69% busy,
+``math_pipe_throttle`` and ``not_selected`` the top stall reasons), so their instruction count is
+their time: :func:`~mla_kernels.common.indexer_device.ordered_key` costs three ALU instructions
+and one FMA-pipe instruction per key (docs/PERF.md).
 
 Occupancy options: ``min_ctas`` bounds the registers so that that many CTAs fit on an SM
 (``.minnctapersm``), ``map_words`` sizes the bitmap (rows of more than ``32 map_words`` keys are
@@ -82,7 +89,8 @@ class IndexerTopkSm90:
     keys whose loads are issued together in the ordered passes) + launcher + kernel."""
 
     def __init__(self, return_logits: bool, batch: int = 4, bitmap: bool = True, pre_hist: bool = False,
-                 row_cap: int = 0, min_ctas: int = 0, map_words: int = MAP_WORDS, row_unroll: int = 0):
+                 row_cap: int = 0, min_ctas: int = 0, map_words: int = MAP_WORDS, row_unroll: int = 0,
+                 full_batches: bool = False):
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         if not 0 <= row_cap <= MAX_ROW_CAP or row_cap % 32:
@@ -98,6 +106,10 @@ class IndexerTopkSm90:
         if not 32 <= map_words <= MAP_WORDS or map_words % 4:
             raise ValueError(f"map_words must be a multiple of 4 in [32, {MAP_WORDS}], got {map_words}")
         self.row_cap = row_cap
+        if full_batches and row_cap:
+            raise ValueError("full_batches is for the kernels without rows in shared memory (row_cap 0)")
+        #: pass 2's batches wholly inside a warp's segment without bounds checks
+        self.full_batches = full_batches
         #: CTAs per SM the registers must allow (ptxas ``.minnctapersm``; 0: no bound)
         self.min_ctas = min_ctas
         #: words of the selection bitmap: rows of at most ``32 map_words`` keys are written from it
@@ -290,33 +302,18 @@ class IndexerTopkSm90:
         cgt = Int32(0)
         ceq = Int32(0)
         ks = cute.make_rmem_tensor((self.batch,), Uint32)
-        for ib in cutlass.range((n_steps + self.batch - 1) // self.batch, unroll=1):
-            self.load_keys(in_smem, src, ks, w0 + ib * (32 * self.batch) + lane, w1)
-            for u in cutlass.range_constexpr(self.batch):
-                j = w0 + (ib * self.batch + u) * 32 + lane
-                ok = j < w1
-                key = ks[u]
-                hi = key >> Uint32(D1[0])
-                gt = ok & (hi > prefix)
-                eq = ok & (hi == prefix)
-                gtm = Uint32(cute.arch.vote_ballot_sync(gt))
-                cgt = cgt + Int32(cute.arch.popc(gtm))
-                m = Uint32(cute.arch.vote_ballot_sync(eq))
-                ceq = ceq + Int32(cute.arch.popc(m))
-                if const_expr(use_map):
-                    j0 = w0 + (ib * self.batch + u) * 32
-                    if map_ok and lane == 0 and j0 < w1:  # this warp's word (segments are word-aligned)
-                        sSel[j0 // 32] = Uint32(cutlass.select_(done1, gtm | m, gtm))
-                if use_cand:
-                    if m != Uint32(0):
-                        base = Int32(0)
-                        if lane == 0:
-                            base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
-                        base = cute.arch.shuffle_sync(base, 0)
-                        pos = base + Int32(cute.arch.popc(m & lt))
-                        if eq and pos < CAP:  # (a histogram from elsewhere cannot overrun the buffer)
-                            sCandKey[pos] = key
-                            sCandIdx[pos] = j
+        n_full = Int32(0)
+        if const_expr(self.full_batches):
+            # the batches wholly inside the warp's segment without bounds checks (fewer ALU
+            # instructions, the pass's bound), then the last one.  An option: the loop's second
+            # copy costs registers (spills in the kernels not bounded to 3 CTAs per SM).
+            n_full = cutlass.max(w1 - w0, Int32(0)) // (32 * self.batch)
+            for ib in cutlass.range(n_full, unroll=1):
+                cgt, ceq = self.pass2_batch(True, in_smem, src, ks, ib, w0, w1, lane, lt, prefix, done1, map_ok,
+                                            use_map, use_cand, cgt, ceq, sSel, sFound, sCandKey, sCandIdx)
+        for ib in cutlass.range(n_full, (n_steps + self.batch - 1) // self.batch, unroll=1):
+            cgt, ceq = self.pass2_batch(False, in_smem, src, ks, ib, w0, w1, lane, lt, prefix, done1, map_ok,
+                                        use_map, use_cand, cgt, ceq, sSel, sFound, sCandKey, sCandIdx)
         if lane == 0:
             sSegGt[warp] = cgt
             sSegEq[warp] = ceq
@@ -396,6 +393,47 @@ class IndexerTopkSm90:
                                  sSegGt, sSegEq, lane, warp)
 
     @cute.jit
+    def pass2_batch(self, full: cutlass.Constexpr, in_smem: cutlass.Constexpr, src, ks, ib, w0, w1, lane, lt, prefix,
+                    done1, map_ok, use_map: cutlass.Constexpr, use_cand, cgt, ceq, sSel, sFound, sCandKey, sCandIdx):
+        """Pass 2 over batch ``ib`` of this warp's segment (``full``: wholly inside it, no bounds
+        checks): the counts above / in bin ``prefix`` added to ``(cgt, ceq)`` (returned), the
+        bitmap's words, bin ``prefix``'s keys appended to the candidates."""
+        self.load_keys(in_smem, src, ks, w0 + ib * (32 * self.batch) + lane, w1, guard=not full)
+        for u in cutlass.range_constexpr(self.batch):
+            j = w0 + (ib * self.batch + u) * 32 + lane
+            key = ks[u]
+            hi = key >> Uint32(D1[0])
+            gt = hi > prefix
+            eq = hi == prefix
+            if const_expr(not full):
+                ok = j < w1
+                gt = ok & gt
+                eq = ok & eq
+            gtm = Uint32(cute.arch.vote_ballot_sync(gt))
+            cgt = cgt + Int32(cute.arch.popc(gtm))
+            m = Uint32(cute.arch.vote_ballot_sync(eq))
+            ceq = ceq + Int32(cute.arch.popc(m))
+            if const_expr(use_map):
+                j0 = w0 + (ib * self.batch + u) * 32
+                if const_expr(full):
+                    if map_ok and lane == 0:  # this warp's word (segments are word-aligned)
+                        sSel[j0 // 32] = Uint32(cutlass.select_(done1, gtm | m, gtm))
+                else:
+                    if map_ok and lane == 0 and j0 < w1:
+                        sSel[j0 // 32] = Uint32(cutlass.select_(done1, gtm | m, gtm))
+            if use_cand:
+                if m != Uint32(0):
+                    base = Int32(0)
+                    if lane == 0:
+                        base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
+                    base = cute.arch.shuffle_sync(base, 0)
+                    pos = base + Int32(cute.arch.popc(m & lt))
+                    if eq and pos < CAP:  # (a histogram from elsewhere cannot overrun the buffer)
+                        sCandKey[pos] = key
+                        sCandIdx[pos] = j
+        return cgt, ceq
+
+    @cute.jit
     def load_row_keys(self, row, row_ptr, n, mis, sKeys, sHist, tidx):
         """The shared-memory row path's pass 1: ``sKeys[j] = ordered_key(row[j])`` for the row's
         ``n`` keys (``sKeys`` at word ``mis`` of a 16-byte-aligned buffer, so that the row's
@@ -441,19 +479,22 @@ class IndexerTopkSm90:
         return Uint32(src[j]) if in_smem else idev.ordered_key(src[j])
 
     @cute.jit
-    def load_keys(self, in_smem: cutlass.Constexpr, src, ks, j0, w1):
-        """``ks[u]`` = the key of ``src[j0 + 32 u]`` (that of 0.0 past ``w1``): the batch's loads
-        issued back to back."""
+    def load_keys(self, in_smem: cutlass.Constexpr, src, ks, j0, w1, guard: cutlass.Constexpr = True):
+        """``ks[u]`` = the key of ``src[j0 + 32 u]`` (that of 0.0 past ``w1``; ``guard=False``: all
+        of them are before ``w1``): the batch's loads issued back to back."""
         if const_expr(in_smem):
             for u in cutlass.range_constexpr(self.batch):
                 j = j0 + 32 * u
-                k = Uint32(0x80000000)
-                if j < w1:
-                    k = Uint32(src[j])
-                ks[u] = k
+                if const_expr(guard):
+                    k = Uint32(0x80000000)
+                    if j < w1:
+                        k = Uint32(src[j])
+                    ks[u] = k
+                else:
+                    ks[u] = Uint32(src[j])
         else:
             xs = cute.make_rmem_tensor((self.batch,), Float32)
-            self.load_batch(src, xs, j0, w1)
+            self.load_batch(src, xs, j0, w1, guard)
             for u in cutlass.range_constexpr(self.batch):
                 ks[u] = idev.ordered_key(xs[u])
 
@@ -545,26 +586,31 @@ class IndexerTopkSm90:
                 eq_before = eq_before + Int32(cute.arch.popc(eqm))
 
     @cute.jit
-    def load_batch(self, row, xs, j0, w1):
-        """``xs[u] = row[j0 + 32 u]`` (0 past ``w1``): the batch's loads issued back to back."""
+    def load_batch(self, row, xs, j0, w1, guard: cutlass.Constexpr = True):
+        """``xs[u] = row[j0 + 32 u]`` (0 past ``w1``; ``guard=False``: all before ``w1``): the
+        batch's loads issued back to back."""
         for u in cutlass.range_constexpr(self.batch):
             j = j0 + 32 * u
-            x = Float32(0.0)
-            if j < w1:
-                x = row[j]
-            xs[u] = x
+            if const_expr(guard):
+                x = Float32(0.0)
+                if j < w1:
+                    x = row[j]
+                xs[u] = x
+            else:
+                xs[u] = row[j]
 
 
 def compile_topk(return_logits: bool, arch: str = "sm_90a", batch: int = 4, bitmap: bool = True,
                  pre_hist: bool = False, row_cap: int = 0, min_ctas: int = 0, map_words: int = MAP_WORDS,
-                 row_unroll: int = 0, **kw):
+                 row_unroll: int = 0, full_batches: bool = False, **kw):
     """Compile the top-k kernel (no GPU needed)."""
     from .. import _compile
     from ..common import host
 
     rows, ld, s_q, s_q2, s_q3, s_q4, s_q5 = (cute.sym_int() for _ in range(7))
     topk, topk2, h_rows, h_cols = (cute.sym_int() for _ in range(4))
-    kernel = IndexerTopkSm90(return_logits, batch, bitmap, pre_hist, row_cap, min_ctas, map_words, row_unroll)
+    kernel = IndexerTopkSm90(return_logits, batch, bitmap, pre_hist, row_cap, min_ctas, map_words, row_unroll,
+                             full_batches)
     args = (
         host.fake(Float32, (rows, ld), align=4),
         host.fake(Int32, (s_q,), align=4),
