@@ -28,19 +28,24 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 
-def profile(args) -> None:
-    import torch
-
+def setup(args):
+    """``--env`` applied; ``(bench_indexer, device, S, topk, sm_scale, inputs)`` of
+    ``tools/bench_indexer.py``'s first input set (shared with ``prof_indexer_topk.py``)."""
     import bench_indexer as bi
-    import mla_kernels as mk
 
     for kv in args.env:
         name, _, val = kv.partition("=")
         os.environ[name] = val
     dev = "cuda"
-    S, topk = args.seq, args.topk
-    scale = bi.D ** -0.5
-    s = bi._inputs(S, 1, dev)[0]
+    return bi, dev, args.seq, args.topk, bi.D ** -0.5, bi._inputs(args.seq, 1, dev)[0]
+
+
+def profile(args) -> None:
+    import torch
+
+    import mla_kernels as mk
+
+    _, dev, S, topk, scale, s = setup(args)
     idx, ln = mk.indexer_topk(s["q"], s["k"], s["w"], topk, sm_scale=scale)
     g = torch.Generator(device=dev).manual_seed(1)
     tgt = torch.softmax(torch.randn(S, topk, device=dev, generator=g), -1) * (idx >= 0)

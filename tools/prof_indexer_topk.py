@@ -32,18 +32,13 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 def profile(args) -> None:
     import torch
 
-    import bench_indexer as bi
     from mla_kernels.api_indexer import make_indexer_problem
     from mla_kernels.common import host
     from mla_kernels.sm90 import indexer_host as ih
+    from prof_indexer_loss import setup
 
-    for kv in args.env:
-        name, _, val = kv.partition("=")
-        os.environ[name] = val
-    dev = "cuda"
-    S, topk = args.seq, args.topk
-    s = bi._inputs(S, 1, dev)[0]
-    p = make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=bi.D ** -0.5)
+    _, dev, S, topk, scale, s = setup(args)
+    p = make_indexer_problem(s["q"], s["k"], s["w"], sm_scale=scale)
     q2, k, w_eff, ks = ih._score_inputs(p)
     rows = ih.block_rows(S, S)
     blocks = [int(b) for b in args.blocks.split(",")]

@@ -375,8 +375,8 @@ def _topk_fn(p, return_logits: bool, pre_hist=False, variant="base"):
     """The compiled select kernel: ``variant`` a name of :data:`TOPK_VARIANTS` or its tuple."""
     arch = _arch(p)
     spec = TOPK_VARIANTS[variant] if isinstance(variant, str) else variant
-    row_cap, batch, min_ctas, map_words, unroll = spec[:5]
-    full = bool(spec[5]) if len(spec) > 5 else False
+    # (a 5-tuple of a test or tool: full_batches off)
+    row_cap, batch, min_ctas, map_words, unroll, full = (tuple(spec) + (False,))[:6]
     env_batch = os.environ.get(ENV_TOPK_BATCH, "").strip()
     if env_batch:
         batch = int(env_batch)
@@ -386,8 +386,7 @@ def _topk_fn(p, return_logits: bool, pre_hist=False, variant="base"):
     pre_hist = bool(pre_hist)
     if pre_hist:  # the fused histogram replaces the row pass that would fill shared memory
         row_cap = unroll = 0
-    full = full and row_cap == 0
-    opts = (batch, bitmap, pre_hist, row_cap, min_ctas, map_words, unroll, full)
+    opts = (batch, bitmap, pre_hist, row_cap, min_ctas, map_words, unroll, bool(full))
     return cached(("IndexerTopkSm90", return_logits) + opts + (arch,),
                   lambda: _compile_topk(return_logits, arch, *opts))
 

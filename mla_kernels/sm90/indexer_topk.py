@@ -414,6 +414,8 @@ class IndexerTopkSm90:
             m = Uint32(cute.arch.vote_ballot_sync(eq))
             ceq = ceq + Int32(cute.arch.popc(m))
             if const_expr(use_map):
+                # (two copies of the store: one predicate built as (lane == 0) & (j0 < w1) compiled
+                # to 8 more instructions)
                 j0 = w0 + (ib * self.batch + u) * 32
                 if const_expr(full):
                     if map_ok and lane == 0:  # this warp's word (segments are word-aligned)
