@@ -211,6 +211,97 @@ def test_topk_kernel_long_rows_heavy_ties(topk, tmap, variant, monkeypatch):
     assert torch.equal(idx.cpu(), want_idx)
 
 
+@pytest.mark.parametrize("variant", ["base", "b4m3", "b2m4", "s8k"])
+def test_topk_candidate_chunks(variant):
+    """Pass 2 hands the shared candidate buffer out in chunks of 32 slots per warp: rows whose
+    threshold bin holds up to CAP keys laid out so that the warps' last chunks stay partly empty
+    -- within the buffer (candidates), past it (the row falls back to the heavy-ties passes), the
+    bin at exactly CAP with no empty slot, distinct values and exact ties in the bin -- exactly
+    the definition's selection, on the global path and in shared memory (``s8k``: rows of 8,192
+    keys), indices, lengths and logits."""
+    from mla_kernels.sm90 import indexer_host
+    from mla_kernels.sm90.indexer_topk import CAND_BUF, CAP, CHUNK, THREADS, WARPS
+
+    ld, big = 8192, 20
+    seg = -(-ld // THREADS) * 32  # each warp's segment of a row of ld keys
+    g = torch.Generator().manual_seed(7)
+
+    def row(per_warp, ties=False):
+        """bin [1, 1.25) holds per_warp[w] keys of warp w's segment, 20 keys per segment above
+        it (> 100), the rest below (< -1)."""
+        r = -1.0 - torch.rand(ld, generator=g)
+        for w, c in enumerate(per_warp):
+            lo = w * seg
+            pick = lo + torch.randperm(seg, generator=g)[: c + big]
+            r[pick[:c]] = 1.0 if ties else 1.0 + 0.2 * torch.rand(c, generator=g)
+            r[pick[c:]] = 100.0 + torch.rand(big, generator=g)
+        return r
+
+    def slots(per_warp):
+        return sum(-(-c // CHUNK) * CHUNK for c in per_warp)
+
+    over = [257] * (WARPS - 1) + [CAP - 257 * (WARPS - 1)]  # CAP keys, 143 chunks: past the buffer
+    exact = [CAP // WARPS] * WARPS  # CAP keys in 128 full chunks
+    partial = [7 * CHUNK + 1] * WARPS  # 16 chunks with one key
+    near = [245] * WARPS  # 3,920 keys
+    rand = torch.randint(150, 250, (WARPS,), generator=g).tolist()
+    assert sum(over) == CAP and slots(over) > CAND_BUF
+    assert sum(exact) == CAP and slots(exact) == CAP
+    assert slots(partial) <= CAND_BUF and slots(near) <= CAND_BUF and slots(rand) <= CAND_BUF
+    rows = [over, exact, partial, near, rand, over, near, [CAP // WARPS + 1] * WARPS]
+    ties = [False, False, False, False, False, True, True, False]
+    sc = torch.stack([row(pw, t) for pw, t in zip(rows, ties)])
+    s_q = sc.shape[0]
+    start = torch.zeros(s_q, dtype=torch.int64)
+    end = torch.full((s_q,), ld)
+    for topk in (WARPS * big + 2000, WARPS * big + 1):
+        got = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True, variant=variant)
+        torch.cuda.synchronize()
+        want_idx, want_len = sorted_select(sc, start, end, topk)
+        assert_same_selection(got, want_idx, want_len, sc)
+
+
+def floats_of_keys(keys):
+    """The floats whose order-preserving uint32 keys (``indexer_device.ordered_key``) are
+    ``keys`` (int64 tensor of values in [0, 2^32))."""
+    raw = torch.where(keys >= 2 ** 31, keys ^ 0x80000000, ~keys & 0xFFFFFFFF)
+    raw = torch.where(raw >= 2 ** 31, raw - 2 ** 32, raw)  # as int32
+    return raw.to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("variant", ["base", "b4m3", "s8k"])
+def test_topk_first_digit_bin_edges(variant):
+    """Pass 2 tells the scores above / in the threshold bin by float compares against the bin's
+    bounds (not by their keys): rows of scores exactly at every first-digit bin edge and one key
+    either side of it (negative and positive subnormals, -0 / +0, -inf / +inf, the largest finite
+    values), shuffled, with thresholds landing on many bins -- exactly the definition's selection
+    (global path and shared memory)."""
+    from mla_kernels.sm90 import indexer_host
+
+    g = torch.Generator().manual_seed(11)
+    edges = torch.arange(4, 2045, dtype=torch.int64) << 21
+    keys = torch.cat([edges - 1, edges, edges + 1, torch.tensor([0x007FFFFF, 0x80000000, 0xFF800000])])
+    vals = floats_of_keys(keys)
+    vals = vals[~torch.isnan(vals)]
+    ld = 7000
+    rows = []
+    for r in range(6):
+        pick = torch.randint(0, vals.numel(), (ld,), generator=g)
+        rows.append(vals[pick])
+    sc = torch.stack(rows)
+    sc[1, ::5] = -0.0
+    sc[2, ::9] = float("nan")
+    s_q = sc.shape[0]
+    start = torch.zeros(s_q, dtype=torch.int64)
+    end = torch.full((s_q,), ld)
+    start[3], end[3] = 5, ld - 3
+    for topk in (1, 2, 7, 300, 2048, 5000):
+        got = indexer_host.select_rows(sc.cuda(), start.int().cuda(), end.int().cuda(), topk, True, variant=variant)
+        torch.cuda.synchronize()
+        want_idx, want_len = sorted_select(sc, start, end, topk)
+        assert_same_selection(got, want_idx, want_len, sc)
+
+
 def sorted_select(sc, start, end, topk):
     """:func:`naive_select` by a stable sort (long rows): ``(indices, lengths)``."""
     x = torch.nan_to_num(sc.double(), nan=-math.inf)

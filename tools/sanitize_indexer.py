@@ -120,14 +120,20 @@ def workload() -> int:
 
     def select_paths(variant=None):
         ld, topk = 6000, 100
-        rows = torch.randn(6, ld, generator=g)
+        rows = torch.randn(7, ld, generator=g)
         rows[0] = 0.0  # threshold bin over the shared candidate buffer: refined by row passes
         rows[1] = torch.randint(0, 4, (ld,), generator=g).float()  # ties, candidates in smem
         rows[2, 7: 7 + topk] = 50.0  # first digit's bin taken whole
-        start = torch.tensor([0, 0, 0, 3, 5, 0], dtype=torch.int32)
-        end = torch.tensor([ld, ld, ld, ld - 1, 5 + topk, 50], dtype=torch.int32)  # short rows too
+        # 4,095 keys in the threshold bin, 257 per warp segment of 384 keys: 143 candidate chunks,
+        # more than the buffer holds (the row falls back to the heavy-ties passes)
+        rows[6] = -1.0 - torch.rand(ld, generator=g)
+        for w in range(16):
+            c = min(257, ld - w * 384)
+            rows[6, w * 384: w * 384 + c] = 1.0 + 0.2 * torch.rand(c, generator=g)
+        start = torch.tensor([0, 0, 0, 3, 5, 0, 0], dtype=torch.int32)
+        end = torch.tensor([ld, ld, ld, ld - 1, 5 + topk, 50, ld], dtype=torch.int32)  # short rows too
         got = indexer_host.select_rows(rows.cuda(), start.cuda(), end.cuda(), topk, True, variant=variant)
-        for t in range(6):  # the definition, on the rows themselves
+        for t in range(7):  # the definition, on the rows themselves
             a, b = int(start[t]), int(end[t])
             r = rows[t, a:b]
             order = sorted(range(b - a), key=lambda i: (-float(r[i]), i))[:topk]

@@ -110,6 +110,38 @@ def ordered_key(x: Float32, *, loc=None, ip=None) -> Uint32:
         "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def key_float(key: Uint32, *, loc=None, ip=None) -> Float32:
+    """The inverse of :func:`ordered_key`: the float whose key is ``key``, with one exception:
+    NaN where that float would be a NaN (``key`` at or above the key of the first NaN past +inf,
+    or below the key of -inf)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Uint32(key).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 s;\nnot.b32 s, $1;\nshr.s32 s, s, 31;\nor.b32 s, s, 0x80000000;\nxor.b32 s, $1, s;\n"
+        "mov.b32 $0, s;\n}",
+        "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def no_nan(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``max.f32 x, -inf``: NaN -> -inf, every other value unchanged (one instruction)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "max.f32 $0, $1, 0fFF800000;",
+        "=f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def bin_bounds(prefix: Uint32, shift: int):
+    """The float range of the keys whose top bits (``key >> shift``) equal ``prefix``:
+    ``(lo, hi)`` such that for every float ``x``, with ``y = no_nan(x)``,
+    ``key >> shift > prefix`` iff ``y >= hi`` and ``key >> shift == prefix`` iff
+    ``y >= lo and not y >= hi`` (``key = ordered_key(x)``; ordered compares).  ``hi`` is NaN when
+    no float is above the bin (nothing compares ``>=`` to it, and ``y < hi`` is false too: hence
+    "not ``>=``"), ``lo`` is -inf for the bin of -inf."""
+    lo = no_nan(key_float(prefix << Uint32(shift)))
+    hi = key_float((prefix + Uint32(1)) << Uint32(shift))
+    return lo, hi
+
+
 def quad_reduce_scatter(vals: cute.Tensor, n: int, lane: Int32) -> None:
     """Sum ``vals[0:n]`` (``n`` a multiple of 4) over the 4 lanes of this lane's quad
     (``lane ^ 1``, ``lane ^ 2``) by a reduce-scatter: afterwards lane ``q = lane % 4`` holds the

@@ -84,25 +84,28 @@ ENV_TOPK_MAP = "MLA_KERNELS_INDEXER_TOPK_MAP"
 #: shared memory; ``min_ctas``: CTAs per SM the registers must allow; ``map_words``: the selection
 #: bitmap's words (rows of at most ``32 map_words`` keys written from it).  Every variant selects
 #: exactly the same keys for every row (tested); they differ in speed only.  Registers / shared
-#: memory (sm_90a, without / with logits) and the CTAs of 512 threads per SM they allow:
+#: memory (sm_90a, without / with logits; CUDA 13 ptxas) and the CTAs of 512 threads per SM they
+#: allow (the select's shared memory: 42.7 KiB + the bitmap or the row's keys):
 #:
-#: * ``base``: the version before the variants: 42 / 42 registers, 72 KiB -> 2 per SM;
-#: * ``b2``: two warp steps of loads in flight instead of four: 35 / 35 -> 3 per SM;
-#: * ``b4m3``: ``base`` bounded to 3 per SM (40 registers, 32 bytes of spills), pass 2's whole batches
-#:   without bounds checks (``full_batches``: -10 to -13% per block of 12k-32k keys on an H200, the
-#:   same 40 registers and 32 bytes of spills; docs/PERF.md);
-#: * ``b2m4`` / ``b1m4``: a 1,024-word bitmap (rows of <= 32,768 keys), 44 KiB, 32 registers -> 4
-#:   per SM (40 / 0 bytes of spills without logits);
-#: * ``s8k``: rows of <= 8,192 keys in shared memory, 72 KiB, 36 / 43 registers -> 3 / 2 per SM;
+#: * ``base``: the version before the variants: 38 / 40 registers, 75 KiB -> 3 per SM (42 registers
+#:   and 2 per SM before pass 2 compared the scores as floats and handed out candidate chunks);
+#: * ``b2``: two warp steps of loads in flight instead of four: 38 / 38 -> 3 per SM;
+#: * ``b4m3``: ``base`` bounded to 3 per SM (40 registers, no spills), pass 2's whole batches
+#:   without bounds checks (``full_batches``: -10 to -13% per block of 12k-32k keys on an H200;
+#:   docs/PERF.md);
+#: * ``b2m4`` / ``b1m4``: a 1,024-word bitmap (rows of <= 32,768 keys), 47 KiB, 32 registers -> 4
+#:   per SM (56 / 232 bytes of spills without logits);
+#: * ``s8k``: rows of <= 8,192 keys in shared memory, 75 KiB, bounded to 3 per SM (40 / 38
+#:   registers, no spills; unbounded it took 43 with the candidate chunks);
 #: * ``s16k`` / ``s32k`` / ``s47k``: rows of <= 16,384 / 32,768 / 47,104 keys in shared memory,
-#:   104 / 168 / 225 KiB -> 2 / 1 / 1 per SM.
+#:   107 / 171 / 227 KiB -> 2 / 1 / 1 per SM.
 TOPK_VARIANTS = {
     "base": (0, 4, 0, 8192, 0, False),
     "b2": (0, 2, 0, 8192, 0, False),
     "b4m3": (0, 4, 3, 8192, 0, True),
     "b2m4": (0, 2, 4, 1024, 0, False),
     "b1m4": (0, 1, 4, 1024, 0, False),
-    "s8k": (8192, 2, 0, 8192, 2, False),
+    "s8k": (8192, 2, 3, 8192, 2, False),
     "s16k": (16384, 4, 0, 8192, 0, False),
     "s32k": (32768, 4, 0, 8192, 0, False),
     "s47k": (47104, 4, 0, 8192, 0, False),

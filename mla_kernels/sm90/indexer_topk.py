@@ -14,9 +14,12 @@ order):
 
 1. a 2048-bin shared histogram of the top 11 key bits (16-byte loads) -> the threshold bin ``b``;
 2. per warp segment, the count of keys above ``b`` (and equal to it), and the keys of bin ``b``
-   collected into shared memory (at most :data:`CAP` of them); with ``full_batches`` the batches
-   wholly inside a warp's segment run without bounds checks, the last one with them
-   (:meth:`IndexerTopkSm90.pass2_batch`);
+   collected into shared memory (at most :data:`CAP` of them, in chunks of :data:`CHUNK` slots
+   handed out to the warps: one shared atomic per chunk, not per warp step); the global row's
+   scores are compared as floats against the bin's bounds
+   (:func:`~mla_kernels.common.indexer_device.bin_bounds`: a ``max`` and two compares, no key
+   formed but the candidates'); with ``full_batches`` the batches wholly inside a warp's segment
+   run without bounds checks, the last one with them (:meth:`IndexerTopkSm90.pass2_batch`);
 3. the write pass.
 
 Between 2 and 3 the threshold is refined on the shared candidates (digits of 11 and 10 bits; a
@@ -43,9 +46,8 @@ uint32 keys into shared memory (the bitmap's region, grown to ``row_cap + 4`` wo
 is not used for such a row); passes 2, any refinement over the row (heavy ties), the segment
 counts and the write then read the keys from shared memory (the selected logits are read back
 from the global row: ``topk`` loads).  Rows longer than ``row_cap`` take the global path above in
-the same kernel.  Shared memory: ``40 KiB + 4 (row_cap + 4)`` bytes -- 104 KiB at 16,384 keys (2
-CTAs per SM, as the 42-register kernel without it), 168 KiB at 32,768 and 225 KiB at
-:data:`MAX_ROW_CAP` (1 CTA per SM).
+the same kernel.  Shared memory: ``42.7 KiB + 4 (row_cap + 4)`` bytes -- 107 KiB at 16,384 keys
+(2 CTAs per SM), 171 KiB at 32,768 and 227 KiB at :data:`MAX_ROW_CAP` (1 CTA per SM).
 
 Both row passes are bound by the ALU pipe (Nsight Compute, H200: issue slots 64-69% busy,
 ``math_pipe_throttle`` and ``not_selected`` the top stall reasons), so their instruction count is
@@ -71,15 +73,22 @@ from ..common.device import st_shared_v4_b32
 THREADS = 512
 WARPS = THREADS // 32
 BINS = 2048
-#: Shared-memory candidates (keys of the threshold bin of the first digit).
+#: Shared-memory candidates (keys of the threshold bin of the first digit): rows whose bin holds
+#: at most ``CAP`` keys collect them in pass 2.
 CAP = 4096
+#: Pass 2 hands out the candidate buffer in chunks of ``CHUNK`` slots, one shared atomic per chunk
+#: per warp (not per warp step); a warp's last chunk may stay partly empty (filled with key 0,
+#: which no score has), so the buffer has :data:`CAND_BUF` slots: a row whose chunks need more
+#: (``CAP`` keys in its bin and more than 320 empty slots) takes the heavy-ties path.
+CHUNK = 32
+CAND_BUF = CAP + 320
 D1 = (21, 11)  # (shift, bits) of the first digit
 REFINE = ((10, 11), (0, 10))  # the finer digits
 BAR = 1
 #: Words of the shared selection bitmap (``bitmap``): rows of at most ``MAP_BITS`` keys.
 MAP_WORDS = 8192
 MAP_BITS = 32 * MAP_WORDS
-#: Largest ``row_cap`` (keys of a row held in shared memory): the rest of the storage is ~40 KiB of
+#: Largest ``row_cap`` (keys of a row held in shared memory): the rest of the storage is ~43 KiB of
 #: the 227 KiB a CTA may have.
 MAX_ROW_CAP = 47104
 
@@ -137,8 +146,8 @@ class IndexerTopkSm90:
         @cute.struct
         class SharedStorage:
             hist: cute.struct.Align[cute.struct.MemRange[Int32, BINS], 16]
-            cand_key: cute.struct.Align[cute.struct.MemRange[Uint32, CAP], 16]
-            cand_idx: cute.struct.Align[cute.struct.MemRange[Int32, CAP], 16]
+            cand_key: cute.struct.Align[cute.struct.MemRange[Uint32, CAND_BUF], 16]
+            cand_idx: cute.struct.Align[cute.struct.MemRange[Int32, CAND_BUF], 16]
             scratch: cute.struct.MemRange[Int32, WARPS]
             seg_gt: cute.struct.MemRange[Int32, WARPS]
             seg_eq: cute.struct.MemRange[Int32, WARPS]
@@ -239,8 +248,8 @@ class IndexerTopkSm90:
         """:meth:`select`'s passes; ``in_smem``: pass 1 stores the row's keys in shared memory
         (``src``) and the later passes read them there (no bitmap); else ``src`` is the global row."""
         sHist = storage.hist.get_tensor(cute.make_layout(BINS))
-        sCandKey = storage.cand_key.get_tensor(cute.make_layout(CAP))
-        sCandIdx = storage.cand_idx.get_tensor(cute.make_layout(CAP))
+        sCandKey = storage.cand_key.get_tensor(cute.make_layout(CAND_BUF))
+        sCandIdx = storage.cand_idx.get_tensor(cute.make_layout(CAND_BUF))
         sScratch = storage.scratch.get_tensor(cute.make_layout(WARPS))
         sSegGt = storage.seg_gt.get_tensor(cute.make_layout(WARPS))
         sSegEq = storage.seg_eq.get_tensor(cute.make_layout(WARPS))
@@ -261,7 +270,7 @@ class IndexerTopkSm90:
 
         # -- pass 1: histogram of the first digit (16-byte loads past the unaligned head) --------
         if tidx == 0:
-            sFound[3] = Int32(0)  # candidate count
+            sFound[3] = Int32(0)  # candidate slots handed out (chunks)
         if const_expr(self.pre_hist):  # counted by the score kernel
             for i in cutlass.range_constexpr(BINS // THREADS):
                 sHist[tidx + i * THREADS] = mHist[bidx, tidx + i * THREADS]
@@ -301,7 +310,17 @@ class IndexerTopkSm90:
         lt = cute.arch.lanemask_lt()
         cgt = Int32(0)
         ceq = Int32(0)
-        ks = cute.make_rmem_tensor((self.batch,), Uint32)
+        cbase = Int32(-CHUNK)  # this warp's candidate chunk (none yet: "full")
+        cfill = Int32(CHUNK)
+        # the threshold bin's bounds: keys (shared memory) or floats (the global row, compared
+        # without forming their keys: a max and two compares per score instead of seven ALU
+        # instructions; the candidates' keys are formed where they are stored)
+        if const_expr(in_smem):
+            b_lo = prefix << Uint32(D1[0])
+            b_hi = b_lo | Uint32((1 << D1[0]) - 1)
+        else:
+            b_lo, b_hi = idev.bin_bounds(prefix, D1[0])
+        ks = cute.make_rmem_tensor((self.batch,), Uint32 if in_smem else Float32)
         n_full = Int32(0)
         if const_expr(self.full_batches):
             # the batches wholly inside the warp's segment without bounds checks (fewer ALU
@@ -309,15 +328,24 @@ class IndexerTopkSm90:
             # copy costs registers (spills in the kernels not bounded to 3 CTAs per SM).
             n_full = cutlass.max(w1 - w0, Int32(0)) // (32 * self.batch)
             for ib in cutlass.range(n_full, unroll=1):
-                cgt, ceq = self.pass2_batch(True, in_smem, src, ks, ib, w0, w1, lane, lt, prefix, done1, map_ok,
-                                            use_map, use_cand, cgt, ceq, sSel, sFound, sCandKey, sCandIdx)
+                cgt, ceq, cbase, cfill = self.pass2_batch(
+                    True, in_smem, src, ks, ib, w0, w1, lane, lt, b_lo, b_hi, done1, map_ok, use_map, use_cand, cgt,
+                    ceq, cbase, cfill, sSel, sFound, sCandKey, sCandIdx)
         for ib in cutlass.range(n_full, (n_steps + self.batch - 1) // self.batch, unroll=1):
-            cgt, ceq = self.pass2_batch(False, in_smem, src, ks, ib, w0, w1, lane, lt, prefix, done1, map_ok,
-                                        use_map, use_cand, cgt, ceq, sSel, sFound, sCandKey, sCandIdx)
+            cgt, ceq, cbase, cfill = self.pass2_batch(
+                False, in_smem, src, ks, ib, w0, w1, lane, lt, b_lo, b_hi, done1, map_ok, use_map, use_cand, cgt,
+                ceq, cbase, cfill, sSel, sFound, sCandKey, sCandIdx)
+        if use_cand:
+            # the empty slots of this warp's last chunk: key 0 (no score has it, see CHUNK)
+            if cfill < CHUNK and lane >= cfill and cbase + lane < CAND_BUF:
+                sCandKey[cbase + lane] = Uint32(0)
+                sCandIdx[cbase + lane] = Int32(0)
         if lane == 0:
             sSegGt[warp] = cgt
             sSegEq[warp] = ceq
         cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
+        n_cand = sFound[3]  # the slots handed out: the candidates and the chunks' empty slots
+        use_cand = use_cand & (n_cand <= CAND_BUF)  # else some were dropped: the heavy-ties path
 
         if use_cand:
             # -- refine on the candidates (shared memory only) --------------------------------
@@ -326,7 +354,7 @@ class IndexerTopkSm90:
                 if not done:
                     self.clear_hist(sHist, tidx)
                     cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-                    for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                    for i in cutlass.range((n_cand - tidx + THREADS - 1) // THREADS, unroll=1):
                         key = sCandKey[tidx + i * THREADS]
                         if (key >> Uint32(d_shift + d_bits)) == prefix:
                             b = Int32((key >> Uint32(d_shift)) & Uint32((1 << d_bits) - 1))
@@ -341,7 +369,7 @@ class IndexerTopkSm90:
             if map_ok:
                 # -- every tie taken: the candidates at or above the threshold into the bitmap ----
                 if const_expr(use_map):
-                    for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                    for i in cutlass.range((n_cand - tidx + THREADS - 1) // THREADS, unroll=1):
                         key = sCandKey[tidx + i * THREADS]
                         j = sCandIdx[tidx + i * THREADS]
                         if (key >> Uint32(shift)) >= prefix:
@@ -352,7 +380,7 @@ class IndexerTopkSm90:
                 if tidx < WARPS:
                     sSegEq[tidx] = Int32(0)
                 cute.arch.barrier(barrier_id=BAR, number_of_threads=THREADS)
-                for i in cutlass.range((cnt - tidx + THREADS - 1) // THREADS, unroll=1):
+                for i in cutlass.range((n_cand - tidx + THREADS - 1) // THREADS, unroll=1):
                     key = sCandKey[tidx + i * THREADS]
                     w = sCandIdx[tidx + i * THREADS] // seg
                     hi = key >> Uint32(shift)
@@ -393,18 +421,28 @@ class IndexerTopkSm90:
                                  sSegGt, sSegEq, lane, warp)
 
     @cute.jit
-    def pass2_batch(self, full: cutlass.Constexpr, in_smem: cutlass.Constexpr, src, ks, ib, w0, w1, lane, lt, prefix,
-                    done1, map_ok, use_map: cutlass.Constexpr, use_cand, cgt, ceq, sSel, sFound, sCandKey, sCandIdx):
+    def pass2_batch(self, full: cutlass.Constexpr, in_smem: cutlass.Constexpr, src, ks, ib, w0, w1, lane, lt, b_lo,
+                    b_hi, done1, map_ok, use_map: cutlass.Constexpr, use_cand, cgt, ceq, cbase, cfill, sSel, sFound,
+                    sCandKey, sCandIdx):
         """Pass 2 over batch ``ib`` of this warp's segment (``full``: wholly inside it, no bounds
-        checks): the counts above / in bin ``prefix`` added to ``(cgt, ceq)`` (returned), the
-        bitmap's words, bin ``prefix``'s keys appended to the candidates."""
-        self.load_keys(in_smem, src, ks, w0 + ib * (32 * self.batch) + lane, w1, guard=not full)
+        checks): the counts above / in the threshold bin (``in_smem``: keys ``b_lo ..= b_hi``;
+        else scores ``y >= b_lo`` and not ``y >= b_hi``, :func:`~mla_kernels.common.indexer_device.bin_bounds`)
+        added to ``(cgt, ceq)``, the bitmap's words, the bin's keys appended to the warp's
+        candidate chunk ``cbase`` (``cfill`` of its :data:`CHUNK` slots used; a new chunk from the
+        shared count when it is full).  Returns ``(cgt, ceq, cbase, cfill)``."""
+        if const_expr(in_smem):
+            self.load_keys(True, src, ks, w0 + ib * (32 * self.batch) + lane, w1, guard=not full)
+        else:
+            self.load_batch(src, ks, w0 + ib * (32 * self.batch) + lane, w1, guard=not full)
         for u in cutlass.range_constexpr(self.batch):
             j = w0 + (ib * self.batch + u) * 32 + lane
-            key = ks[u]
-            hi = key >> Uint32(D1[0])
-            gt = hi > prefix
-            eq = hi == prefix
+            if const_expr(in_smem):
+                gt = ks[u] > b_hi
+                eq = (ks[u] >= b_lo) & (ks[u] <= b_hi)
+            else:
+                y = idev.no_nan(ks[u])
+                gt = y >= b_hi
+                eq = (y >= b_lo) & ~gt  # (not y < b_hi: b_hi is NaN above the top bin)
             if const_expr(not full):
                 ok = j < w1
                 gt = ok & gt
@@ -412,7 +450,8 @@ class IndexerTopkSm90:
             gtm = Uint32(cute.arch.vote_ballot_sync(gt))
             cgt = cgt + Int32(cute.arch.popc(gtm))
             m = Uint32(cute.arch.vote_ballot_sync(eq))
-            ceq = ceq + Int32(cute.arch.popc(m))
+            k = Int32(cute.arch.popc(m))
+            ceq = ceq + k
             if const_expr(use_map):
                 # (two copies of the store: one predicate built as (lane == 0) & (j0 < w1) compiled
                 # to 8 more instructions)
@@ -425,15 +464,22 @@ class IndexerTopkSm90:
                         sSel[j0 // 32] = Uint32(cutlass.select_(done1, gtm | m, gtm))
             if use_cand:
                 if m != Uint32(0):
-                    base = Int32(0)
-                    if lane == 0:
-                        base = cute.arch.atomic_add(sFound.iterator + 3, Int32(cute.arch.popc(m)))
-                    base = cute.arch.shuffle_sync(base, 0)
-                    pos = base + Int32(cute.arch.popc(m & lt))
-                    if eq and pos < CAP:  # (a histogram from elsewhere cannot overrun the buffer)
-                        sCandKey[pos] = key
+                    pos = cbase + cfill + Int32(cute.arch.popc(m & lt))
+                    cfill = cfill + k
+                    if cfill > CHUNK:  # past the chunk's end: the rest go to a new chunk
+                        nb = Int32(0)
+                        if lane == 0:
+                            nb = cute.arch.atomic_add(sFound.iterator + 3, Int32(CHUNK))
+                        nb = cute.arch.shuffle_sync(nb, 0)
+                        over = pos - (cbase + CHUNK)
+                        if over >= 0:
+                            pos = nb + over
+                        cbase = nb
+                        cfill = cfill - CHUNK
+                    if eq and pos < CAND_BUF:  # (past the buffer: counted, the row goes by heavy ties)
+                        sCandKey[pos] = ks[u] if const_expr(in_smem) else idev.ordered_key(ks[u])
                         sCandIdx[pos] = j
-        return cgt, ceq
+        return cgt, ceq, cbase, cfill
 
     @cute.jit
     def load_row_keys(self, row, row_ptr, n, mis, sKeys, sHist, tidx):
@@ -556,10 +602,9 @@ class IndexerTopkSm90:
         sh = Uint32(shift)
         gt_before = Int32(0)
         eq_before = Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
-            mine = Int32(w) < warp
-            gt_before = gt_before + Int32(cutlass.select_(mine, sSegGt[w], Int32(0)))
-            eq_before = eq_before + Int32(cutlass.select_(mine, sSegEq[w], Int32(0)))
+        for w in cutlass.range(warp, unroll=1):  # (a loop: the unrolled sum over 16 warps spilled)
+            gt_before = gt_before + sSegGt[w]
+            eq_before = eq_before + sSegEq[w]
         lt = cute.arch.lanemask_lt()
         # a batch of keys (shared memory) or of scores (global, their keys formed here)
         vs = cute.make_rmem_tensor((self.batch,), Uint32 if in_smem else Float32)
