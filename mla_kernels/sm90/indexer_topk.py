@@ -24,8 +24,9 @@ order):
 
 Between 2 and 3 the threshold is refined on the shared candidates (digits of 11 and 10 bits; a
 digit whose threshold bin is taken whole ends the search) and the candidates are counted per
-warp segment.  A row whose threshold bin holds more than :data:`CAP` keys (heavy ties) refines
-and counts by further passes over the row instead (up to 5 in all).
+warp segment.  A row whose threshold bin holds more than :data:`CAP` keys (heavy ties), or whose
+candidate chunks need more than :data:`CAND_BUF` slots, refines and counts by further passes over
+the row instead (up to 5 in all).
 
 With ``pre_hist`` pass 1 is not run: the row's first-digit histogram comes from ``hist[r, :]``,
 which the score kernel counted while it wrote the row (``indexer_score.py``, ``hist``) -- one
