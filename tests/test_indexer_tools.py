@@ -99,3 +99,17 @@ def test_bench_indexer_shuffled_slots(tmp_path, capsys):
     mod.main(["--reps", "1", "--warmup", "0", "--sets", "1", "--cases", "loss_shuffled", "--json", str(out)])
     cases = {r["case"] for r in json.loads(out.read_text())["rows"]}
     assert cases == {"loss_fwd_shuffled", "loss_fwd_bwd_shuffled", "loss_fwd_bwd_det_shuffled"}
+
+
+def test_score_clock_says_it_needs_a_gpu(capsys):
+    """tools/score_clock.py on a machine without a GPU: a clear message and exit status 2."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the tool would run (measured on the GPU host, docs/PERF.md)")
+    spec = importlib.util.spec_from_file_location("score_clock", os.path.join(ROOT, "tools", "score_clock.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out

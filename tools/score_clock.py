@@ -42,6 +42,9 @@ def main(argv=None) -> int:
 
     import torch
 
+    if not torch.cuda.is_available():
+        print("score_clock: needs a CUDA GPU (it times the sm90 score kernel and samples nvidia-smi)", flush=True)
+        return 2
     from mla_kernels import _compile
     from mla_kernels.api_indexer import make_indexer_problem
     from mla_kernels.sm90 import indexer_host as ih
