@@ -93,6 +93,13 @@ def red_add_v2_bf16x2(gmem_addr: Int64, lo: Uint32, hi: Uint32, *, loc=None, ip=
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+def _pure_asm(ret_type, operand, ptx: str, constraints: str, loc, ip):
+    """One value from one operand by side-effect-free inline PTX (``$0`` the result, ``$1`` the
+    operand)."""
+    return llvm.inline_asm(ret_type, [operand.ir_value(loc=loc, ip=ip)], ptx, constraints, has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @dsl_user_op
 def ordered_key(x: Float32, *, loc=None, ip=None) -> Uint32:
     """``x`` as a uint32 key whose unsigned order is the float order.  NaN maps to the key of
@@ -103,11 +110,10 @@ def ordered_key(x: Float32, *, loc=None, ip=None) -> Uint32:
     ``add.rn.f32 +0`` on the FMA pipe (-0 -> +0; no ``.ftz``: subnormals keep their keys), then
     ``bits ^ ((bits >> 31, arithmetic) | 0x80000000)`` (a shift and one ``LOP3``): negative
     numbers get their bits inverted, the others the sign bit set."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+    return Uint32(_pure_asm(
+        T.i32(), Float32(x),
         "{\n.reg .f32 y;\n.reg .b32 b, s;\nmax.f32 y, $1, 0fFF800000;\nadd.rn.f32 y, y, 0f00000000;\n"
-        "mov.b32 b, y;\nshr.s32 s, b, 31;\nor.b32 s, s, 0x80000000;\nxor.b32 $0, b, s;\n}",
-        "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        "mov.b32 b, y;\nshr.s32 s, b, 31;\nor.b32 s, s, 0x80000000;\nxor.b32 $0, b, s;\n}", "=r,f", loc, ip))
 
 
 @dsl_user_op
@@ -115,19 +121,16 @@ def key_float(key: Uint32, *, loc=None, ip=None) -> Float32:
     """The inverse of :func:`ordered_key`: the float whose key is ``key``, with one exception:
     NaN where that float would be a NaN (``key`` at or above the key of the first NaN past +inf,
     or below the key of -inf)."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Uint32(key).ir_value(loc=loc, ip=ip)],
+    return Float32(_pure_asm(
+        T.f32(), Uint32(key),
         "{\n.reg .b32 s;\nnot.b32 s, $1;\nshr.s32 s, s, 31;\nor.b32 s, s, 0x80000000;\nxor.b32 s, $1, s;\n"
-        "mov.b32 $0, s;\n}",
-        "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        "mov.b32 $0, s;\n}", "=f,r", loc, ip))
 
 
 @dsl_user_op
 def no_nan(x: Float32, *, loc=None, ip=None) -> Float32:
     """``max.f32 x, -inf``: NaN -> -inf, every other value unchanged (one instruction)."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "max.f32 $0, $1, 0fFF800000;",
-        "=f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Float32(_pure_asm(T.f32(), Float32(x), "max.f32 $0, $1, 0fFF800000;", "=f,f", loc, ip))
 
 
 def bin_bounds(prefix: Uint32, shift: int):
