@@ -447,7 +447,8 @@ def test_topk_kernel_with_shared_memory_rows():
                       "sm_90a", nvd)
     _common(r)
     assert r["registers"] <= 40 and 3 * (r["smem_bytes"] + 1024) <= 228 * 1024
-    # b4m3 (the default for longer rows): bounded to 40 registers for 3 CTAs per SM (a few spills)
+    # b4m3 (the default for longer rows): bounded to 40 registers for 3 CTAs per SM (0 spills under
+    # the CUDA 13 ptxas since the candidate chunks; the bound allows the few an older ptxas made)
     # and pass 2's whole batches without bounds checks (full_batches: two copies of its loop body)
     cap, batch, min_ctas, words, unroll, full = ih.TOPK_VARIANTS["b4m3"]
     assert full

@@ -330,7 +330,7 @@ def assert_same_selection(got, want_idx, want_len, sc):
     assert torch.equal(lg[nn], want_lg[nn])
 
 
-SELECT_VARIANTS = ["base", "b2", "b4m3", "b2m4", "b1m4", "s8k", "s16k", "s32k", "s47k", (4096, 4, 0, 8192, 0)]
+SELECT_VARIANTS = ["base", "b2", "b4m3", "b2m4", "b1m4", "s8k", "s16k", "s32k", "s47k", (4096, 4, 0, 8192, 0, False)]
 
 
 @pytest.mark.parametrize("variant", SELECT_VARIANTS, ids=str)

@@ -28,6 +28,29 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 
+def input_args(ap) -> None:
+    """The options :func:`setup` reads (``--seq``, ``--topk``, ``--env``), shared by the indexer's
+    profiling tools."""
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before the calls")
+
+
+def read_args(ap) -> None:
+    """``--read`` (per-PC CSVs to summarise, no GPU) and ``--top``: see :func:`dispatch`."""
+    ap.add_argument("--read", nargs="*", default=None, help="per-PC CSVs to summarise (no GPU)")
+    ap.add_argument("--top", type=int, default=30)
+
+
+def dispatch(args, profile) -> int:
+    """:func:`read` the ``--read`` CSVs, or run ``profile(args)`` on the GPU."""
+    if args.read is not None:
+        read(args.read, args.top)
+    else:
+        profile(args)
+    return 0
+
+
 def setup(args):
     """``--env`` applied; ``(bench_indexer, device, S, topk, sm_scale, inputs)`` of
     ``tools/bench_indexer.py``'s first input set (shared with ``prof_indexer_topk.py``)."""
@@ -96,18 +119,10 @@ def read(paths, top: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--topk", type=int, default=2048)
+    input_args(ap)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before the calls")
-    ap.add_argument("--read", nargs="*", default=None, help="per-PC CSVs to summarise (no GPU)")
-    ap.add_argument("--top", type=int, default=30)
-    args = ap.parse_args(argv)
-    if args.read is not None:
-        read(args.read, args.top)
-    else:
-        profile(args)
-    return 0
+    read_args(ap)
+    return dispatch(ap.parse_args(argv), profile)
 
 
 if __name__ == "__main__":

@@ -89,23 +89,15 @@ def profile(args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--topk", type=int, default=2048)
+    from prof_indexer_loss import dispatch, input_args, read_args
+
+    input_args(ap)
     ap.add_argument("--blocks", default="0,3,7", help="row blocks (indexer_host.block_rows rows each) to profile")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--time", action="store_true", help="time each block's select instead of profiling")
-    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before the calls")
-    ap.add_argument("--read", nargs="*", default=None, help="per-PC CSVs to summarise (no GPU)")
-    ap.add_argument("--top", type=int, default=30)
-    args = ap.parse_args(argv)
-    if args.read is not None:
-        from prof_indexer_loss import read
-
-        read(args.read, args.top)
-    else:
-        profile(args)
-    return 0
+    read_args(ap)
+    return dispatch(ap.parse_args(argv), profile)
 
 
 if __name__ == "__main__":

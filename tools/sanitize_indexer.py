@@ -147,7 +147,7 @@ def workload() -> int:
     for name in indexer_host.TOPK_VARIANTS:  # every select variant
         step(f"topk select paths {name}", lambda name=name: select_paths(name))
     # rows of at most 3008 keys in shared memory, the longer ones by the global path, in one launch
-    step("topk select paths row_cap=3008", lambda: select_paths((3008, 4, 0, 8192, 0)))
+    step("topk select paths row_cap=3008", lambda: select_paths((3008, 4, 0, 8192, 0, False)))
 
     s_q, s_kv, topk = 60, 500, 200
     q = (torch.randn(s_q, 64, 128, generator=g) / 4).bfloat16().cuda()

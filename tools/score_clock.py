@@ -30,14 +30,14 @@ VARIANTS = {"full": dict(), "mma": dict(profile="mma"), "bf16x2": dict(head_sum=
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--topk", type=int, default=2048)
+    from prof_indexer_loss import input_args
+
+    input_args(ap)
     ap.add_argument("--secs", type=float, default=3.0)
     ap.add_argument("--warm", type=float, default=1.0)
     ap.add_argument("--ms", type=int, default=50)
     ap.add_argument("--variants", default="full,mma")
     ap.add_argument("--dtypes", default="bf16,fp8")
-    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before the calls")
     args = ap.parse_args(argv)
 
     import torch

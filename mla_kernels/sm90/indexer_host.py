@@ -377,9 +377,7 @@ def block_longest(p, q0: int, n: int) -> int:
 def _topk_fn(p, return_logits: bool, pre_hist=False, variant="base"):
     """The compiled select kernel: ``variant`` a name of :data:`TOPK_VARIANTS` or its tuple."""
     arch = _arch(p)
-    spec = TOPK_VARIANTS[variant] if isinstance(variant, str) else variant
-    # (a 5-tuple of a test or tool: full_batches off)
-    row_cap, batch, min_ctas, map_words, unroll, full = (tuple(spec) + (False,))[:6]
+    row_cap, batch, min_ctas, map_words, unroll, full = TOPK_VARIANTS[variant] if isinstance(variant, str) else variant
     env_batch = os.environ.get(ENV_TOPK_BATCH, "").strip()
     if env_batch:
         batch = int(env_batch)
