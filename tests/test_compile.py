@@ -170,3 +170,32 @@ def test_compile_cache_and_arch_helpers():
     f1 = _compile.cached_compile(("test", 1), lambda: calls.append(1) or "compiled")
     f2 = _compile.cached_compile(("test", 1), lambda: calls.append(1) or "again")
     assert f1 == f2 == "compiled" and calls == [1]
+
+
+def test_sm90_backward_trace_build():
+    """The backward's timing-trace build (``trace=True``, tools/trace_bwd.py) compiles to the same
+    products, exchange and atomics as the kernel, plus predicated stores of the cycle counter and
+    no spills; it takes the attn_sum argument as its buffer, so it refuses attn_sum."""
+    from mla_kernels.sm90 import compile_bwd
+    from mla_kernels.sm90.bwd import SparseMlaBwdSm90
+
+    with pytest.raises(ValueError, match="trace"):
+        SparseMlaBwdSm90(576, attn_sum=True, trace=True)
+    with pytest.raises(ValueError, match="trace"):
+        SparseMlaBwdSm90(576, deterministic=True, trace=True)
+    nvd = compile_report.find_nvdisasm()
+    with compile_report._CaptureFds() as cap:
+        import glob
+        import subprocess
+        import tempfile
+
+        d = tempfile.mkdtemp()
+        compile_bwd(576, 128, False, arch="sm_90a", trace=True, keep=True, dump_dir=d, extra_options="remarks{ptx}")
+    assert "0 bytes spill stores, 0 bytes spill loads" in cap.text
+    if nvd is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    sass = subprocess.run([nvd, "-c", glob.glob(os.path.join(d, "*.cubin"))[0]], capture_output=True, text=True).stdout
+    counts, _ = compile_report.sass_counts(sass)
+    assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
+    assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == 18
+    assert sass.count("SR_CLOCKLO") >= 40 and counts.get("STG.E", 0) >= 40

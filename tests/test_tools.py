@@ -218,3 +218,13 @@ def test_decode_variants_still_apply_to_the_tree(tmp_path):
                 assert edited != open(os.path.join(ROOT, f)).read(), (name, part, f)
     with pytest.raises(SystemExit, match="unknown variant"):
         mod.make(str(tmp_path), ["noq+bogus"])
+
+
+def test_trace_bwd_says_it_needs_a_gpu(capsys):
+    """tools/trace_bwd.py without a GPU: a clear message and exit status 2."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the tool would run (measured on the GPU host, docs/PERF.md)")
+    assert load("trace_bwd").main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().out

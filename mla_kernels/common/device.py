@@ -247,6 +247,15 @@ def st_global_b32(gmem_addr: Int64, value: Uint32, *, loc=None, ip=None) -> None
 
 
 @dsl_user_op
+def st_global_b32_if(gmem_addr: Int64, value: Uint32, pred: Int32, *, loc=None, ip=None) -> None:
+    """A 4-byte global store at a 64-bit address, done only where ``pred`` is non-zero (a
+    predicated instruction: no branch)."""
+    _store("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p st.global.b32 [$0], $1;\n\t}", "l,r,r",
+           [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip),
+            Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
 def st_global_v2_b32(gmem_addr: Int64, a: Uint32, b: Uint32, *, loc=None, ip=None) -> None:
     """An 8-byte global store of two 32-bit words at a 64-bit address."""
     _store("st.global.v2.b32 [$0], {$1, $2};", "l,r,r",
@@ -606,6 +615,59 @@ def opaque_zero(*, loc=None, ip=None) -> Int32:
     """0, invisible to the optimiser (keeps address math inside the loop that needs it)."""
     return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, 0;", "=r", has_side_effects=True,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def clock32(*, loc=None, ip=None) -> Int32:
+    """The SM's cycle counter (``%clock``, low 32 bits), read in program order (a volatile asm:
+    not moved across the waits it brackets).  For timing traces only."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %clock;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    """The SM this thread runs on (``%smid``).  For timing traces only."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+class Trace:
+    """Cycle stamps of one thread into a global ``[.., slots]`` int32 row (timing traces of a
+    kernel's phases; ``enabled=False`` makes every call emit nothing).
+
+    Slot ``base + b * per_block + e`` gets ``%clock`` when event ``e`` of block ``b`` happens
+    (blocks past ``max_blocks`` are not recorded).  Only the thread that owns the object should
+    call :meth:`stamp`: the callers guard it (one lane per role)."""
+
+    def __init__(self, enabled: bool, row_addr=None, base: int = 0, per_block: int = 0, max_blocks: int = 0):
+        self.enabled = enabled
+        self.row_addr = row_addr
+        self.base = base
+        self.per_block = per_block
+        self.max_blocks = max_blocks
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    @cute.jit
+    def stamp(self, b, e: cutlass.Constexpr, on) -> None:
+        """Record event ``e`` of block ``b`` if ``on`` (this thread is the recorder).  A predicated
+        store, no branch: the traced kernel keeps the untraced one's control flow."""
+        if cutlass.const_expr(self.enabled):
+            t = clock32()
+            ok = on & (b < self.max_blocks)
+            st_global_b32_if(self.row_addr + Int64(4) * Int64(self.base + b * self.per_block + e), Uint32(t),
+                             Int32(cutlass.select_(ok, Int32(1), Int32(0))))
+
+    @cute.jit
+    def put(self, slot: cutlass.Constexpr, value, on) -> None:
+        """Store ``value`` (int32) at slot ``slot`` of the row if ``on``."""
+        if cutlass.const_expr(self.enabled):
+            st_global_b32_if(self.row_addr + Int64(4 * slot), Uint32(value), Int32(cutlass.select_(on, Int32(1), Int32(0))))
 
 
 @dsl_user_op

@@ -130,7 +130,7 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
 
     # h_q % 128 == 0: the two head blocks of a token sum their dKV chunks on chip (2-CTA cluster)
     kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic,
-                              pair_sum=kw.pop("pair_sum", h_q % 128 == 0))
+                              pair_sum=kw.pop("pair_sum", h_q % 128 == 0), trace=kw.pop("trace", False))
     if deterministic:
         import torch
 

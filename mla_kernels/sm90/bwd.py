@@ -90,6 +90,16 @@ N_MBAR = MB_SEND_OK + 2 * MAX_SLOTS
 SLOT_BYTES = 128 * 16 * 2  # one WG's half chunk: 64 tokens x 32 columns of bf16
 TILE_BYTES = 64 * 64 * 2  # one 64-column k-tile of the KV buffer
 
+# ``trace`` (timing traces, tools/trace_bwd.py): cycle stamps per block and role into the attn_sum
+# argument's rows (one row of TRACE_SLOTS int32 per CTA; the kernel is compiled without attn_sum)
+TRACE_PER_BLOCK = 20  # event slots per block and role
+TRACE_BLOCKS = 32  # blocks recorded per CTA
+TRACE_BASE = (0, TRACE_PER_BLOCK * TRACE_BLOCKS, 2 * TRACE_PER_BLOCK * TRACE_BLOCKS)  # WG0, WG1, producer
+# header: start clock, smid, end clock, blocks, then each role's clock right after the CTA's first
+# barrier (the roles' warps may read different cycle counters: these align them)
+TRACE_HEADER = 3 * TRACE_PER_BLOCK * TRACE_BLOCKS
+TRACE_SLOTS = TRACE_HEADER + 8
+
 
 class SparseMlaBwdSm90:
     """Static configuration + host launcher + device kernel of the sm90 sparse backward."""
@@ -112,6 +122,7 @@ class SparseMlaBwdSm90:
         attn_sum_scaled: bool = False,
         deterministic: bool = False,
         pair_sum: bool = False,
+        trace: bool = False,
     ):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 backward supports d_qk 512 or 576, got {d_qk}")
@@ -127,6 +138,10 @@ class SparseMlaBwdSm90:
         # h_q a multiple of 128: the two 64-head CTAs of a token (a 2-CTA cluster) add their dKV
         # chunks through DSMEM before one of them scatters each half: half the atomic traffic.
         self.pair_sum = pair_sum
+        # timing traces (tools/trace_bwd.py): the attn_sum argument carries the stamps
+        if trace and (attn_sum or deterministic):
+            raise ValueError("trace takes the attn_sum argument as its buffer: not with attn_sum or deterministic")
+        self.trace = trace
         # Which warpgroups' chunks go through the exchange (the others scatter whole chunks from
         # both CTAs).  Deterministic rows need every chunk summed (one row per pair and slot).
         self.ex_wgs = (pair_sum, pair_sum)
@@ -316,7 +331,16 @@ class SparseMlaBwdSm90:
                         cute.arch.mbarrier_init(mbar + MB_LAND_FULL + i, 1)
                         cute.arch.mbarrier_init(mbar + MB_SEND_OK + i, 4)
         cute.arch.mbarrier_init_fence()
+        trace_row = Int64(0)
+        if const_expr(self.trace):
+            trace_row = dev.gmem_addr_i64(mAsum.iterator) + Int64(s_idx * n_hblk + h_blk) * Int64(mAsum.shape[2]) * 4
+        head = dev.Trace(self.trace, trace_row)
         cute.arch.sync_threads()
+        if const_expr(self.trace):
+            t_sync = dev.clock32()
+            head.put(TRACE_HEADER + 4, t_sync, tidx == 0)
+            head.put(TRACE_HEADER + 5, t_sync, tidx == 128)
+            head.put(TRACE_HEADER + 6, t_sync, tidx == 256)
         if const_expr(self.pair_sum):
             if warp_idx == 0:
                 with cute.arch.elect_one():
@@ -333,6 +357,9 @@ class SparseMlaBwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sDS = storage.sDS.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+
+        head.put(TRACE_HEADER, dev.clock32(), tidx == 0)
+        head.put(TRACE_HEADER + 1, dev.smid(), tidx == 0)
 
         topk = mIdx.shape[1]
         topk_len = topk
@@ -355,10 +382,12 @@ class SparseMlaBwdSm90:
         sDelta = storage.sDelta.get_tensor(cute.make_layout(B_H))
         sK_ptr = storage.sK.data_ptr()
 
+        head.put(TRACE_HEADER + 3, num_blocks, tidx == 0)
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             self.producer(mKV, mIdx, sK_ptr, sRowIdx, sValid, kv_a, kv_b, kv_c, bar_meta,
-                          s_idx, topk_len, num_blocks, idx_in_wg, warp_idx % 4)
+                          s_idx, topk_len, num_blocks, idx_in_wg, warp_idx % 4,
+                          dev.Trace(self.trace, trace_row, TRACE_BASE[2], TRACE_PER_BLOCK, TRACE_BLOCKS))
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
@@ -366,7 +395,9 @@ class SparseMlaBwdSm90:
                 tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in, kv_a, kv_b, kv_c,
                 bar_meta, s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, wg, idx_in_wg, warp_idx,
                 _Exchange(self, storage, mbar, wg, idx_in_wg, h_blk),
+                trace_row,
             )
+            head.put(TRACE_HEADER + 2, dev.clock32(), tidx == 0)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -386,37 +417,46 @@ class SparseMlaBwdSm90:
         num_blocks: Int32,
         ptid: Int32,
         warp_in_wg: Int32,
+        tr,
     ):
         """WG2: gather each block's KV rows in two pieces; publish row indices and validity."""
         gather = KvGather(mKV, mIdx, s_idx, topk_len, ptid, self.d_qk, slots=1)
         if const_expr(self.ws_evict_last):
             gather.policy = dev.createpolicy_evict_first()  # L2 is for the workspace
         sK_addr = dev.smem_addr_u32(sK_ptr)
+        rec = ptid == 0
         for b in cutlass.range(num_blocks, unroll=1):
             parity = b & 1
+            tr.stamp(b, 0, rec)
             gather.load_indices(b, 0)
             row_idx, row_ok = gather.index_at(b * B_TOPK + ptid % B_TOPK)
             bits = Uint32(cute.arch.vote_ballot_sync(row_ok))
+            tr.stamp(b, 1, rec)
             # The buffer and sValid are free once both dQ products of block b-1 are done (every
             # read of block b-1's validity happened before).  Row indices are double-buffered by
             # block parity: the dKV scatter of block b-1 still reads its slot.
             kv_a.wait_free(parity)
+            tr.stamp(b, 2, rec)
             gather.copy_tiles(sK_addr, 0, 0, self.n_left)
             kv_a.commit_cp_async()
             gather.copy_tiles(sK_addr, 0, self.n_left, self.n_mid)
             kv_b.commit_cp_async()
+            tr.stamp(b, 3, rec)
             if ptid < B_TOPK:
                 sRowIdx[parity * B_TOPK + ptid] = Int32(cutlass.select_(row_ok, row_idx, Int32(-1)))
             if warp_in_wg < 2:
                 if ptid % 32 == 0:
                     sValid[warp_in_wg] = bits
             cute.arch.mbarrier_arrive(bar_meta)
+            tr.stamp(b, 4, rec)
             if const_expr(self.n_land > 0):
                 # piece C doubles as the dKV exchange's landing area: wait until block b-1's
                 # exchange drained in both WGs
                 kv_c.wait_free(parity)
+                tr.stamp(b, 5, rec)
                 gather.copy_tiles(sK_addr, 0, self.n_mid, self.n_k_tiles)
                 kv_c.commit_cp_async()
+                tr.stamp(b, 6, rec)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -458,6 +498,7 @@ class SparseMlaBwdSm90:
         idx_in_wg: Int32,
         warp_idx: Int32,
         ex,
+        trace_row,
     ):
         """WG0 / WG1: recompute P (WG0) and dS (WG1), then dQ and dKV for their columns."""
         lane_quad = idx_in_wg % 4
@@ -497,8 +538,10 @@ class SparseMlaBwdSm90:
 
         cute.arch.mbarrier_wait(bar_in, 0)
 
+        rec = idx_in_wg == 0  # the trace's recorder of each warpgroup
         if wg == 0:
             # ---------------- WG0: S, P, (attention sum), dQ columns 0..255 + RoPE ----------------
+            tr = dev.Trace(self.trace, trace_row, TRACE_BASE[0], TRACE_PER_BLOCK, TRACE_BLOCKS)
             tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
             tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))
             tDQrKr = thr_dq64.make_fragment_B(
@@ -517,19 +560,24 @@ class SparseMlaBwdSm90:
             tPsP = thr_st.partition_D(sP)
             for b in cutlass.range(num_blocks, unroll=1):
                 parity = b & 1
+                tr.stamp(b, 0, rec)
                 kv_a.wait_ready(parity)
+                tr.stamp(b, 1, rec)
                 self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 0, 4 * self.n_left, True, False)
                 kv_b.wait_ready(parity)
+                tr.stamp(b, 2, rec)
                 self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 4 * self.n_left, 4 * self.n_mid,
                             False, self.n_land == 0)
                 if const_expr(self.n_land > 0):
                     kv_c.wait_ready(parity)
+                    tr.stamp(b, 3, rec)
                     self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tSrQ, tSrK, 4 * self.n_mid, 4 * self.n_k_tiles,
                                 False, True)
                 cute.arch.mbarrier_wait(bar_meta, parity)
                 lo = sValid[0] >> Uint32(2 * lane_quad)
                 hi = sValid[1] >> Uint32(2 * lane_quad)
                 cute.nvgpu.warpgroup.wait_group(0)
+                tr.stamp(b, 4, rec)
                 # P = exp2(S*c - lse2); invalid slots 0 (select, so no NaN can leak from them).
                 for g in cutlass.range_constexpr(8):
                     word = lo if g < 4 else hi
@@ -551,8 +599,10 @@ class SparseMlaBwdSm90:
                     cute.arch.barrier(barrier_id=BAR_DKV_DONE, number_of_threads=256)
                 cute.copy(thr_st, thr_st.retile(rPb), tPsP)
                 cute.arch.fence_proxy("async.shared", space="cta")
+                tr.stamp(b, 5, rec)
                 cute.arch.barrier_arrive(barrier_id=BAR_P, number_of_threads=256)
                 cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=256)
+                tr.stamp(b, 6, rec)
                 # dQ[:, 0:256] += dS K[:, 0:256];  dQ[:, 512:576] += dS K[:, 512:576]
                 cute.nvgpu.warpgroup.fence()
                 self._gemm(K_MAJ, MN_MAJ, 256, acc_dq, tDQrDS, tDQrK, 0, 4, False)
@@ -560,14 +610,16 @@ class SparseMlaBwdSm90:
                     self._gemm(K_MAJ, MN_MAJ, 64, acc_dqr, tDQrDS64, tDQrKr, 0, 4, False)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
+                tr.stamp(b, 7, rec)
                 kv_a.release()
                 ex.dq_done(self.ex_wgs[0], 0)
                 self._dkv_chunks(0, self.ex_lag[0], self.ex_wgs[0], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
-                                 scatter, ex, b)
+                                 scatter, ex, b, tr, rec)
             if const_expr(self.attn_sum):
                 self._attn_sum_tail(mAsum, h_blk, s_idx, num_blocks, topk, idx_in_wg)
         else:
             # ---------------- WG1: dP, dS, dQ columns 256..511 ----------------
+            tr = dev.Trace(self.trace, trace_row, TRACE_BASE[1], TRACE_PER_BLOCK, TRACE_BLOCKS)
             tDPrDO = thr_s.make_fragment_A(thr_s.partition_A(sDO))
             tDPrV = thr_s.make_fragment_B(thr_s.partition_B(cute.local_tile(sK, (B_TOPK, self.d_v), (0, 0))))
             ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
@@ -580,21 +632,27 @@ class SparseMlaBwdSm90:
             nd1 = -sDelta[dev.fragment_row(idx_in_wg, 1)] * sm_scale
             for b in cutlass.range(num_blocks, unroll=1):
                 parity = b & 1
+                tr.stamp(b, 0, rec)
                 kv_a.wait_ready(parity)
+                tr.stamp(b, 1, rec)
                 self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 0, 4 * self.n_left, True, False)
                 kv_b.wait_ready(parity)
+                tr.stamp(b, 2, rec)
                 self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 4 * self.n_left,
                             4 * min(self.n_mid, self.n_v_tiles), False, self.n_mid >= self.n_v_tiles)
                 if const_expr(self.n_mid < self.n_v_tiles):
                     kv_c.wait_ready(parity)
+                    tr.stamp(b, 3, rec)
                     self._issue(K_MAJ, K_MAJ, B_TOPK, acc_s, tDPrDO, tDPrV, 4 * self.n_mid, 4 * self.n_v_tiles,
                                 False, True)
                 # (consume this block's metadata phase before releasing the buffer: the producer
                 # must not complete the next phase before both WGs waited on this one)
                 cute.arch.mbarrier_wait(bar_meta, parity)
                 cute.nvgpu.warpgroup.wait_group(0)
+                tr.stamp(b, 4, rec)
                 # dS = P (dP - delta') sm_scale, with P (bf16) from WG0 through smem.
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=256)
+                tr.stamp(b, 5, rec)
                 cute.copy(thr_ld, tPsP_ld, thr_ld.retile(rPb))
                 rPf.store(rPb.load().to(Float32))
                 for g in cutlass.range_constexpr(8):
@@ -606,6 +664,7 @@ class SparseMlaBwdSm90:
                 rPb.store(acc_s.load().to(BFloat16))
                 cute.copy(thr_st, thr_st.retile(rPb), tDSsDS)
                 cute.arch.fence_proxy("async.shared", space="cta")
+                tr.stamp(b, 6, rec)
                 # One-way hand-off to WG0 plus WG1's own sync: a bar.sync that both warpgroups
                 # reached from different code locations is what synccheck reports as divergent
                 # (barrier.sync.aligned wants one instruction per barrier instance).
@@ -616,12 +675,15 @@ class SparseMlaBwdSm90:
                 self._gemm(K_MAJ, MN_MAJ, 256, acc_dq, tDQrDS, tDQrK, 0, 4, False)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
+                tr.stamp(b, 7, rec)
                 kv_a.release()
                 ex.dq_done(self.ex_wgs[1], 1)
                 self._dkv_chunks(1, self.ex_lag[1], self.ex_wgs[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
-                                 scatter, ex, b)
+                                 scatter, ex, b, tr, rec)
+                tr.stamp(b, 18, rec)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
+
 
         # ---------------- dQ epilogue: registers -> bf16 -> smem (Q's tile) -> TMA ----------------
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)  # last readers of sQ done
@@ -684,7 +746,7 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def _dkv_chunks(self, wg: cutlass.Constexpr, lag: cutlass.Constexpr, exchange: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP,
-                    sQt, sDOt, scatter, ex, b: Int32):
+                    sQt, sDOt, scatter, ex, b: Int32, tr, rec):
         """dKV[:, chunk] per 64-column chunk, then its scatter.
 
         Without the pair sum each chunk is scattered whole.  With it (h_q % 128 == 0) chunk c's
@@ -698,32 +760,42 @@ class SparseMlaBwdSm90:
         measured 0.994-0.996x of the unpaired loop -- no gain -- and was dropped.)"""
         chunks = self.dkv_chunks[wg]
         n = len(chunks)
+        # trace events (``trace``): chunk c's send-slot wait passed, its receive wait passed and
+        # (WG0) its scatter issued
+        ev_send = [8 + 3 * c if wg == 0 else 8 + c for c in range(n)]
+        ev_recv = [9 + 3 * c if wg == 0 else 13 + c for c in range(n)]
         if const_expr(not exchange):
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
                 cute.nvgpu.warpgroup.wait_group(0)
                 scatter.chunk(acc_kv, chunks[c], b)
+                if const_expr(wg == 0):
+                    tr.stamp(b, 10 + 3 * c, rec)
         elif const_expr(lag == 0):
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ex.send(acc_kv, b * n + c, wg)
-                kept = ex.receive(ex.kept(acc_kv), b * n + c, c, n, wg)
+                tr.stamp(b, ev_send[c], rec)
+                kept = ex.receive(ex.kept(acc_kv), b * n + c, c, n, wg, tr, b, ev_recv[c], rec)
                 scatter.half(kept, chunks[c], b, ex.rank)
+                if const_expr(wg == 0):
+                    tr.stamp(b, 10 + 3 * c, rec)
         else:
             pending = []  # kept halves of the chunks in flight, oldest first
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
                 if const_expr(c >= lag):
-                    summed = ex.receive(pending[0], b * n + (c - lag), c - lag, n, wg)
+                    summed = ex.receive(pending[0], b * n + (c - lag), c - lag, n, wg, tr, b, ev_recv[c - lag], rec)
                     pending = pending[1:]
                     scatter.half(summed, chunks[c - lag], b, ex.rank)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ex.send(acc_kv, b * n + c, wg)
+                tr.stamp(b, ev_send[c], rec)
                 pending = pending + [ex.kept(acc_kv)]
             for j in cutlass.range_constexpr(len(pending)):
                 c = n - len(pending) + j
-                summed = ex.receive(pending[j], b * n + c, c, n, wg)
+                summed = ex.receive(pending[j], b * n + c, c, n, wg, tr, b, ev_recv[c], rec)
                 scatter.half(summed, chunks[c], b, ex.rank)
 
     @cute.jit
@@ -954,6 +1026,8 @@ class _Exchange:
         """st.async the peer's half of chunk ``k`` (bf16) into the peer's landing slot ``k % n_slots``."""
         slot = k % self.n_slots
         cute.arch.mbarrier_wait(self.send_ok + slot, (k // self.n_slots) & 1)
+        # (the trace's send event is stamped after the st.async calls: the wait is this call's
+        # only blocking step)
         peer_land = self._peer(self._slot_addr(slot, wg))
         peer_full = self._peer(dev.smem_addr_u32(self.full + slot))
         v = [Float32(cutlass.select_(self.rank == 1, acc_kv[HALF_IDX[0][j]], acc_kv[HALF_IDX[1][j]]))
@@ -963,11 +1037,13 @@ class _Exchange:
             dev.st_async_v4_b32(peer_land + q * 2048, w[0], w[1], w[2], w[3], peer_full)
 
     @cute.jit
-    def receive(self, kept, k, c: cutlass.Constexpr, n: cutlass.Constexpr, wg: cutlass.Constexpr):
+    def receive(self, kept, k, c: cutlass.Constexpr, n: cutlass.Constexpr, wg: cutlass.Constexpr, tr, b, ev: cutlass.Constexpr,
+                rec):
         """Wait for the peer's half of chunk ``k`` (chunk ``c`` of ``n`` of the block), add it to
-        ``kept``; free the slot."""
+        ``kept``; free the slot.  (``tr``: the trace stamps event ``ev`` of block ``b`` after the wait.)"""
         slot = k % self.n_slots
         cute.arch.mbarrier_wait(self.full + slot, (k // self.n_slots) & 1)
+        tr.stamp(b, ev, rec)
         out = []
         land = self._slot_addr(slot, wg)
         for q in cutlass.range_constexpr(2):
