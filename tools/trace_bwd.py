@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--d-qk", type=int, default=576)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--save", default="", help="PREFIX: save every 8th-or-so CTA's raw trace to PREFIX_<s_kv>.npz")
+    ap.add_argument("--save", default="", help="PREFIX: save the raw trace of every k-th token's CTAs (~512) to PREFIX_<s_kv>.npz")
     ap.add_argument("--load", default="", help="FILE.npz: analyse a saved trace (no GPU needed) and exit")
     args = ap.parse_args(argv)
 
@@ -87,17 +87,6 @@ def main(argv=None) -> int:
         slots = bwd_mod.TRACE_SLOTS
     orig_compile, orig_name, orig_dummy = Sm90Backend.compile_bwd, Sm90Backend.bwd_name, host.dummy
 
-    def timed(fn, reps):
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        return statistics.median(ts)
-
     for s_kv in (int(x) for x in args.s_kv.split(",")):
         s = bench.make_sets(1, args.s_q, args.h_q, args.topk, args.d_qk, d_v, s_kv, dev, torch.bfloat16)[0]
         out, _, lse = mk.sparse_mla_fwd(s["q"], s["kv"], s["idx"], sm_scale, d_v)
@@ -107,9 +96,7 @@ def main(argv=None) -> int:
             return mk.sparse_mla_bwd(s["q"], s["kv"], out, dout, s["idx"], lse, sm_scale, d_v)
 
         Sm90Backend.compile_bwd, Sm90Backend.bwd_name, host.dummy = orig_compile, orig_name, orig_dummy
-        for _ in range(3):
-            call()
-        ms_plain = timed(call, args.reps)
+        ms_plain = bench.time_fn(lambda i: call(), 1, 3, args.reps, dev)[0]
 
         buf = torch.zeros(args.s_q, n_hblk, slots, dtype=torch.int32, device=dev)
         Sm90Backend.compile_bwd = staticmethod(lambda *a, **k: compile_bwd(*a, trace=True, **k))
@@ -121,9 +108,7 @@ def main(argv=None) -> int:
             return orig_dummy(dtype, device, shape)
 
         host.dummy = dummy
-        for _ in range(2):
-            call()
-        ms_trace = timed(call, args.reps)
+        ms_trace = bench.time_fn(lambda i: call(), 1, 2, args.reps, dev)[0]
         buf.zero_()
         call()
         torch.cuda.synchronize()
@@ -145,8 +130,8 @@ def main(argv=None) -> int:
 def analyse(t, n_hblk, bwd_mod):
     import numpy as np
 
-    per, nblk, base, hdr = bwd_mod.TRACE_PER_BLOCK, bwd_mod.TRACE_BLOCKS, bwd_mod.TRACE_BASE, bwd_mod.TRACE_HEADER
-    start, end, nb = t[:, hdr], t[:, hdr + 2], t[:, hdr + 3]
+    per, nblk, base, arrive = bwd_mod.TRACE_PER_BLOCK, bwd_mod.TRACE_BLOCKS, bwd_mod.TRACE_BASE, bwd_mod.TRACE_ARRIVE
+    start, end, nb = t[:, bwd_mod.TRACE_START], t[:, bwd_mod.TRACE_END], t[:, bwd_mod.TRACE_NBLK]
     mod = 1 << 32
 
     def d(a, b):  # cycles from a to b (32-bit counter)
@@ -162,7 +147,7 @@ def analyse(t, n_hblk, bwd_mod):
     ev = {r: t[:, base[r]: base[r] + nblk * per].reshape(-1, nblk, per) for r in range(3)}
     # %clock is the SM's counter: the three roles' stamps compare directly.  Their readings right
     # after the CTA's first barrier are arrivals there (see WG0_EVENTS), so they differ a little.
-    skew = [((t[i, hdr + 4 + r] - t[i, hdr + 4]) + mod // 2) % mod - mod // 2 for i in rows for r in (1, 2)]
+    skew = [((t[i, arrive + r] - t[i, arrive]) + mod // 2) % mod - mod // 2 for i in rows for r in (1, 2)]
     print(f"arrival spread of the roles at the first barrier: median |d| {statistics.median(abs(x) for x in skew):.0f}"
           f" cycles")
     top0 = ev[0][:, :, 0]

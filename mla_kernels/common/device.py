@@ -625,13 +625,6 @@ def clock32(*, loc=None, ip=None) -> Int32:
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
-@dsl_user_op
-def smid(*, loc=None, ip=None) -> Int32:
-    """The SM this thread runs on (``%smid``).  For timing traces only."""
-    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
 class Trace:
     """Cycle stamps of one thread into a global ``[.., slots]`` int32 row (timing traces of a
     kernel's phases; ``enabled=False`` makes every call emit nothing).

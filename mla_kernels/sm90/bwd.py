@@ -95,10 +95,14 @@ TILE_BYTES = 64 * 64 * 2  # one 64-column k-tile of the KV buffer
 TRACE_PER_BLOCK = 20  # event slots per block and role
 TRACE_BLOCKS = 32  # blocks recorded per CTA
 TRACE_BASE = (0, TRACE_PER_BLOCK * TRACE_BLOCKS, 2 * TRACE_PER_BLOCK * TRACE_BLOCKS)  # WG0, WG1, producer
-# header: start clock, smid, end clock, blocks, then each role's clock right after the CTA's first
-# barrier (the roles' warps may read different cycle counters: these align them)
-TRACE_HEADER = 3 * TRACE_PER_BLOCK * TRACE_BLOCKS
-TRACE_SLOTS = TRACE_HEADER + 8
+# header slots after the three roles' events: WG0's clock at the start and at the end of the CTA's
+# work, the block count, and each role's clock right after the CTA's first barrier (its arrival
+# there: how far apart the roles start)
+TRACE_START = 3 * TRACE_PER_BLOCK * TRACE_BLOCKS
+TRACE_END = TRACE_START + 1
+TRACE_NBLK = TRACE_START + 2
+TRACE_ARRIVE = TRACE_START + 3  # + role (0 WG0, 1 WG1, 2 producer)
+TRACE_SLOTS = TRACE_ARRIVE + 3
 
 
 class SparseMlaBwdSm90:
@@ -338,9 +342,8 @@ class SparseMlaBwdSm90:
         cute.arch.sync_threads()
         if const_expr(self.trace):
             t_sync = dev.clock32()
-            head.put(TRACE_HEADER + 4, t_sync, tidx == 0)
-            head.put(TRACE_HEADER + 5, t_sync, tidx == 128)
-            head.put(TRACE_HEADER + 6, t_sync, tidx == 256)
+            for r in cutlass.range_constexpr(3):
+                head.put(TRACE_ARRIVE + r, t_sync, tidx == 128 * r)
         if const_expr(self.pair_sum):
             if warp_idx == 0:
                 with cute.arch.elect_one():
@@ -358,8 +361,8 @@ class SparseMlaBwdSm90:
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sDS = storage.sDS.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
-        head.put(TRACE_HEADER, dev.clock32(), tidx == 0)
-        head.put(TRACE_HEADER + 1, dev.smid(), tidx == 0)
+        if const_expr(self.trace):
+            head.put(TRACE_START, dev.clock32(), tidx == 0)
 
         topk = mIdx.shape[1]
         topk_len = topk
@@ -382,7 +385,7 @@ class SparseMlaBwdSm90:
         sDelta = storage.sDelta.get_tensor(cute.make_layout(B_H))
         sK_ptr = storage.sK.data_ptr()
 
-        head.put(TRACE_HEADER + 3, num_blocks, tidx == 0)
+        head.put(TRACE_NBLK, num_blocks, tidx == 0)
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             self.producer(mKV, mIdx, sK_ptr, sRowIdx, sValid, kv_a, kv_b, kv_c, bar_meta,
@@ -397,7 +400,8 @@ class SparseMlaBwdSm90:
                 _Exchange(self, storage, mbar, wg, idx_in_wg, h_blk),
                 trace_row,
             )
-            head.put(TRACE_HEADER + 2, dev.clock32(), tidx == 0)
+            if const_expr(self.trace):
+                head.put(TRACE_END, dev.clock32(), tidx == 0)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -683,7 +687,6 @@ class SparseMlaBwdSm90:
                 tr.stamp(b, 18, rec)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
-
 
         # ---------------- dQ epilogue: registers -> bf16 -> smem (Q's tile) -> TMA ----------------
         cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)  # last readers of sQ done
@@ -1026,8 +1029,6 @@ class _Exchange:
         """st.async the peer's half of chunk ``k`` (bf16) into the peer's landing slot ``k % n_slots``."""
         slot = k % self.n_slots
         cute.arch.mbarrier_wait(self.send_ok + slot, (k // self.n_slots) & 1)
-        # (the trace's send event is stamped after the st.async calls: the wait is this call's
-        # only blocking step)
         peer_land = self._peer(self._slot_addr(slot, wg))
         peer_full = self._peer(dev.smem_addr_u32(self.full + slot))
         v = [Float32(cutlass.select_(self.rank == 1, acc_kv[HALF_IDX[0][j]], acc_kv[HALF_IDX[1][j]]))
