@@ -579,7 +579,10 @@ def sparse_mla_bwd(
         out: ``[s_q, h_q, d_v]`` the forward's output; ``dout`` its gradient (q's dtype).
         lse: ``[s_q, h_q]`` float32, the forward's log-sum-exp.
         deterministic: bitwise-reproducible gradients (no racing float atomics), where the
-            backend supports it (the reference is deterministic on CPU).
+            backend supports it (the reference is deterministic on CPU).  Without it, dkv's last
+            bits vary from run to run (float atomics), and on sm90 dq's too (each CTA starts its
+            row's blocks where the others are, at a time-dependent block: the order of dq's
+            float additions; ``MLA_KERNELS_BWD_ROTATE=0`` fixes it).
         return_attn_sum: also return ``attn_sum [s_q, topk]`` (see :func:`attn_dist`).
 
     Returns:

@@ -199,3 +199,34 @@ def test_sm90_backward_trace_build():
     assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
     assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == 18
     assert sass.count("SR_CLOCKLO") >= 40 and counts.get("STG.E", 0) >= 40
+
+
+def test_sm90_backward_rotated_block_order_build():
+    """The rotated block order (``rotate_shift``, the sm90 default on band-ordered slots) reads
+    the global timer once per CTA (pair) and otherwise compiles to the kernel's products, exchange and
+    atomics, with no spills; deterministic mode refuses it (dq's block order must be fixed)."""
+    from mla_kernels.sm90 import compile_bwd
+    from mla_kernels.sm90.bwd import SparseMlaBwdSm90
+
+    with pytest.raises(ValueError, match="deterministic"):
+        SparseMlaBwdSm90(576, deterministic=True, rotate_shift=13)
+    with pytest.raises(ValueError, match="rotate_shift"):
+        SparseMlaBwdSm90(576, rotate_shift=41)
+    nvd = compile_report.find_nvdisasm()
+    with compile_report._CaptureFds() as cap:
+        import glob
+        import subprocess
+        import tempfile
+
+        d = tempfile.mkdtemp()
+        compile_bwd(576, 128, False, arch="sm_90a", rotate_shift=13, keep=True, dump_dir=d,
+                    extra_options="remarks{ptx}")
+    assert "0 bytes spill stores, 0 bytes spill loads" in cap.text
+    if nvd is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    sass = subprocess.run([nvd, "-c", glob.glob(os.path.join(d, "*.cubin"))[0]], capture_output=True, text=True).stdout
+    counts, _ = compile_report.sass_counts(sass)
+    assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
+    # (one more st.async: CTA rank 0 sends its tick to rank 1)
+    assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == 19
+    assert sass.count("SR_GLOBALTIMER") == 1

@@ -109,6 +109,24 @@ def test_bwd_deterministic_in_waves(monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(a[:2], b[:2]))
 
 
+@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (64, 512)])
+def test_bwd_rotated_block_order_matches_fixed(h_q, d_qk, monkeypatch):
+    """The rotated block order (the default on band-ordered slots) against every CTA walking its
+    row's blocks from the first (MLA_KERNELS_BWD_ROTATE=0), on the same inputs, both checked
+    against the reference: attn_sum is per slot and per block, so bitwise the same; dq and dkv
+    differ only by the order of float additions.  Several calls: the start block depends on the
+    time each CTA starts."""
+    case = make_case(300, h_q, d_qk, 1500, 512, device="cuda", topk_length=True, sink="finite", dup_frac=0.1)
+    monkeypatch.setenv("MLA_KERNELS_BWD_ROTATE", "0")
+    fixed = run_and_check(case, monkeypatch, attn_sum=True)
+    monkeypatch.setenv("MLA_KERNELS_BWD_ROTATE", "1")
+    for _ in range(3):
+        rot = run_and_check(case, monkeypatch, attn_sum=True)
+        assert torch.equal(rot[3], fixed[3]), "attn_sum differs between block orders"
+        assert rel_l2(rot[0].float(), fixed[0].float()) <= 2e-3
+        assert rel_l2(rot[1].float(), fixed[1].float()) <= 2e-3
+
+
 def test_bwd_more_than_65535_queries(monkeypatch):
     case = make_case(70_000, 64, 512, 500, 64, device="cuda", invalid_frac=0.1, empty_rows=3)
     run_and_check(case, monkeypatch)

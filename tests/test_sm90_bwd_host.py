@@ -168,3 +168,22 @@ def test_natural_columns_strided_copy_matches_the_gather():
     assert torch.equal(bwd_host.natural_columns(ws, odd, torch.bfloat16), gather(odd).to(torch.bfloat16))
     assert bwd_host.bit_permutation((0, 2, 1)) is None  # not a power of two
     assert bwd_host.natural_columns(ws, None, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_rotate_shift_only_on_ordered_nondeterministic_calls(monkeypatch):
+    """The rotated block order needs band-ordered slots (else the rotation has nothing to align)
+    and a fixed order in deterministic mode; MLA_KERNELS_BWD_ROTATE=0 turns it off, anything but
+    0 / 1 is an error that names the knob."""
+    monkeypatch.delenv(bwd_host.ROTATE_ENV, raising=False)
+    assert BACKEND.bwd_rotate_shift == 13
+    assert bwd_host.rotate_shift_for(13, True, False) == 13
+    assert bwd_host.rotate_shift_for(13, False, False) == 0
+    assert bwd_host.rotate_shift_for(13, True, True) == 0
+    assert bwd_host.rotate_shift_for(0, True, False) == 0
+    monkeypatch.setenv(bwd_host.ROTATE_ENV, "0")
+    assert bwd_host.rotate_shift_for(13, True, False) == 0
+    monkeypatch.setenv(bwd_host.ROTATE_ENV, "1")
+    assert bwd_host.rotate_shift_for(13, True, False) == 13
+    monkeypatch.setenv(bwd_host.ROTATE_ENV, "yes")
+    with pytest.raises(ValueError, match="MLA_KERNELS_BWD_ROTATE"):
+        bwd_host.rotate_shift_for(13, True, False)

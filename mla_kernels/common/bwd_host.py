@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from .. import _compile
-from . import host
+from . import fastpath, host
 from .order_host import kv_ordered, sort_enabled
 from .problem import Problem
 from ..reference import effective_lse, valid_mask
@@ -75,14 +75,35 @@ def d_attn_sink(p: Problem, lse_eff: torch.Tensor, delta: torch.Tensor) -> torch
 KERNEL_HOST_ATTRS = ("ws_row_heads", "det_ws_dtype", "ws_col_perm")
 
 
+#: Environment switch of the backward's rotated block order (``0``: every CTA walks its row's
+#: blocks from the first, as before; for A/B timing).  See :func:`rotate_shift_for`.
+ROTATE_ENV = "MLA_KERNELS_BWD_ROTATE"
+
+
+def rotate_shift_for(backend_shift: int, ordered: bool, deterministic: bool) -> int:
+    """The kernel's ``rotate_shift`` for one call: the backend's (sm90: 13, a 2^13 ns tick) when
+    the slots are band-ordered, the mode is not deterministic (dq's block order must be fixed
+    there) and ``MLA_KERNELS_BWD_ROTATE`` is not ``0``; else 0 (blocks in row order)."""
+    if not backend_shift or not ordered or deterministic:
+        return 0
+    v = fastpath.knob(ROTATE_ENV, "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{ROTATE_ENV}={v!r}: expected 0 or 1")
+    return backend_shift if v == "1" else 0
+
+
 def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, deterministic: bool,
-            has_dlse: bool):
+            has_dlse: bool, rotate_shift: int = 0):
     """``(kernel object, compiled function)`` of one configuration (compiled once per process)."""
     arch = _compile.arch_for_device(p.device)
     has_tl = p.topk_length is not None
     key = (name, p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch)
+    extra = {}
+    if rotate_shift:  # (only backends that declare a shift take the argument)
+        key += (("rotate_shift", rotate_shift),)
+        extra["rotate_shift"] = rotate_shift
     return _compile.cached_compile(
-        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch),
+        key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch, **extra),
         host_attrs=KERNEL_HOST_ATTRS,
     )
 
@@ -95,20 +116,25 @@ def ws_row_blocks(kernel, h_q: int) -> int:
 
 
 def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False,
-            *, compile_bwd, name: str, sort_indices: bool = False):
+            *, compile_bwd, name: str, sort_indices: bool = False, rotate_shift: int = 0):
     """The backward on a validated, topk-padded problem: ``(dq, dkv, d_sink[, attn_sum])``.
 
     ``compile_bwd`` is the backend's ``compile_bwd`` (``sm90`` or ``sm100``), ``name`` its compile
     cache key (the kernel class name); ``sort_indices``: run the kernel on :func:`kv_ordered`
-    slots (``attn_sum`` is mapped back to the caller's slot order)."""
+    slots (``attn_sum`` is mapped back to the caller's slot order); ``rotate_shift``: the backend's
+    block-order tick on such slots (:func:`rotate_shift_for`)."""
     perm = None
+    ordered = False
     if sort_indices and sort_enabled() and p.indices.is_cuda:
+        p0 = p
         p, perm = kv_ordered(p, return_attn_sum)
+        ordered = p is not p0
     dev = p.device
     n_hblk = p.h_q // B_H
     lse2, corr, asum_scale, lse_eff = row_terms(p, lse, dlse, return_attn_sum)
     scaled = asum_scale is not None
-    kernel, fn = _kernel(p, compile_bwd, name, return_attn_sum, scaled, deterministic, corr is not None)
+    rot = rotate_shift_for(rotate_shift, ordered, deterministic)
+    kernel, fn = _kernel(p, compile_bwd, name, return_attn_sum, scaled, deterministic, corr is not None, rot)
 
     dq = host.alloc((p.s_q, p.h_q, p.d_qk), torch.bfloat16, dev)
     delta = host.alloc((p.s_q, p.h_q), torch.float32, dev)

@@ -625,6 +625,17 @@ def clock32(*, loc=None, ip=None) -> Int32:
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def globaltimer_ticks(shift: int, *, loc=None, ip=None) -> Int32:
+    """The GPU-wide nanosecond timer (``%globaltimer``, the same on every SM) shifted right by
+    ``shift`` bits, low 31 bits (non-negative).  Read in program order."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [],
+        "{\n\t.reg .u64 t;\n\tmov.u64 t, %globaltimer;\n\tshr.u64 t, t, " + str(int(shift))
+        + ";\n\tcvt.u32.u64 $0, t;\n\tand.b32 $0, $0, 0x7fffffff;\n\t}",
+        "=r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 class Trace:
     """Cycle stamps of one thread into a global ``[.., slots]`` int32 row (timing traces of a
     kernel's phases; ``enabled=False`` makes every call emit nothing).

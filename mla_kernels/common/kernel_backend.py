@@ -133,6 +133,9 @@ class CuteKernelBackend(Backend):
     #: Run the backward on each row's slots in kv order (``order_host.kv_ordered``); on where it
     #: was measured.
     bwd_sort_indices = False
+    #: The backward kernel's block-order tick on kv-ordered slots (``rotate_shift``, 0: none;
+    #: ``bwd_host.rotate_shift_for``); on where it was measured.
+    bwd_rotate_shift = 0
     #: Run the forward on kv-ordered slots where ``order_host.fwd_order_wanted`` says so (long kv
     #: ranges); on where it was measured.
     fwd_sort_indices = False
@@ -257,7 +260,7 @@ class CuteKernelBackend(Backend):
 
         return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
                                 compile_bwd=type(self).compile_bwd, name=self.bwd_name,
-                                sort_indices=self.bwd_sort_indices)
+                                sort_indices=self.bwd_sort_indices, rotate_shift=self.bwd_rotate_shift)
 
 
 def cached(key: tuple, build):

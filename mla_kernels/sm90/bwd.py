@@ -86,7 +86,8 @@ MB_DRAINED = 6  # pair-summed d576: both WGs consumed the block's last exchange 
 MAX_SLOTS = 3  # landing slots per warpgroup at most (a ring of ``n_slots``: chunk k uses slot k % n_slots)
 MB_LAND_FULL = 7  # + MAX_SLOTS * wg + slot: the peer's half-chunk landed (st.async complete_tx)
 MB_SEND_OK = MB_LAND_FULL + 2 * MAX_SLOTS  # + MAX_SLOTS * wg + slot: the peer's slot is free (4 warp arrivals)
-N_MBAR = MB_SEND_OK + 2 * MAX_SLOTS
+MB_START = MB_SEND_OK + 2 * MAX_SLOTS  # ``rotate_shift`` + pair sum: CTA rank 0's tick landed (rank 1)
+N_MBAR = MB_START + 1
 SLOT_BYTES = 128 * 16 * 2  # one WG's half chunk: 64 tokens x 32 columns of bf16
 TILE_BYTES = 64 * 64 * 2  # one 64-column k-tile of the KV buffer
 
@@ -127,6 +128,7 @@ class SparseMlaBwdSm90:
         deterministic: bool = False,
         pair_sum: bool = False,
         trace: bool = False,
+        rotate_shift: int = 0,
     ):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 backward supports d_qk 512 or 576, got {d_qk}")
@@ -146,6 +148,21 @@ class SparseMlaBwdSm90:
         if trace and (attn_sum or deterministic):
             raise ValueError("trace takes the attn_sum argument as its buffer: not with attn_sum or deterministic")
         self.trace = trace
+        # Block order (``rotate_shift`` > 0): each CTA (pair) starts its row's blocks at
+        # ``(%globaltimer >> rotate_shift) % num_blocks`` and wraps around.  With the host's
+        # band-ordered slots (block b of every row covers about the b-th 1/num_blocks of the kv
+        # range) and a tick as long as one block takes, every CTA -- whenever it starts -- works on
+        # the band the others are on, so the dKV atomics and the KV gathers of all SMs stay in a
+        # few bands of rows that fit in L2.  Without it only the first wave starts aligned, and the
+        # CTAs drift apart.  The tick must match the block time: 2^13 ns (8.2 us; the h128 blocks
+        # take 7.2-7.9 us on an H200) gains 8% at s_kv 128k, 2^12 nothing, 2^14 a third of it
+        # (docs/PERF.md).  dq's sum over the blocks then runs in a time-dependent order: not with
+        # deterministic mode.
+        if rotate_shift and deterministic:
+            raise ValueError("rotate_shift: the block order must be fixed in deterministic mode")
+        if not 0 <= rotate_shift <= 40:
+            raise ValueError(f"rotate_shift must be in [0, 40], got {rotate_shift}")
+        self.rotate_shift = rotate_shift
         # Which warpgroups' chunks go through the exchange (the others scatter whole chunks from
         # both CTAs).  Deterministic rows need every chunk summed (one row per pair and slot).
         self.ex_wgs = (pair_sum, pair_sum)
@@ -249,6 +266,8 @@ class SparseMlaBwdSm90:
             sValid: cute.struct.MemRange[Uint32, 2]
             sPsum: cute.struct.MemRange[Float32, psum_elems]
             sDelta: cute.struct.MemRange[Float32, B_H]
+            # rotate_shift: the block-order tick (CTA rank 0's; st.async into rank 1: 16 bytes)
+            sStart: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -334,7 +353,13 @@ class SparseMlaBwdSm90:
                     for i in cutlass.range_constexpr(2 * MAX_SLOTS):
                         cute.arch.mbarrier_init(mbar + MB_LAND_FULL + i, 1)
                         cute.arch.mbarrier_init(mbar + MB_SEND_OK + i, 4)
+                    if const_expr(self.rotate_shift > 0):
+                        cute.arch.mbarrier_init(mbar + MB_START, 1)
         cute.arch.mbarrier_init_fence()
+        if const_expr(self.rotate_shift > 0):
+            # (with the pair sum only CTA rank 0 reads the clock: rank 1 gets its tick, below)
+            if tidx == 0 and (not self.pair_sum or h_blk % 2 == 0):
+                storage.sStart[0] = dev.globaltimer_ticks(self.rotate_shift)
         trace_row = Int64(0)
         if const_expr(self.trace):
             trace_row = dev.gmem_addr_i64(mAsum.iterator) + Int64(s_idx * n_hblk + h_blk) * Int64(mAsum.shape[2]) * 4
@@ -369,6 +394,25 @@ class SparseMlaBwdSm90:
         if const_expr(self.has_topk_length):
             topk_len = cutlass.max(cutlass.min(mTopkLen[s_idx], topk), 0)
         num_blocks = (topk_len + (B_TOPK - 1)) // B_TOPK
+        start = Int32(0)
+        if const_expr(self.rotate_shift > 0):
+            if const_expr(self.pair_sum):
+                # both CTAs of the pair walk the same blocks in the same order: CTA rank 0 sends
+                # its tick into rank 1's sStart (st.async, completing on rank 1's MB_START; the
+                # peer's barrier was initialised before the cluster barrier above)
+                start_bar = mbar + MB_START
+                if h_blk % 2 == 0:
+                    if tidx == 0:
+                        t0 = storage.sStart[0]
+                        dev.st_async_v4_b32(
+                            dev.mapa_shared(dev.smem_addr_u32(storage.sStart.data_ptr()), Int32(1)),
+                            Uint32(t0), Uint32(0), Uint32(0), Uint32(0),
+                            dev.mapa_shared(dev.smem_addr_u32(start_bar), Int32(1)))
+                else:
+                    if tidx == 0:
+                        dev.mbarrier_arrive_expect_tx(dev.smem_addr_u32(start_bar), 16)
+                    cute.arch.mbarrier_wait(start_bar, 0)
+            start = storage.sStart[0] % cutlass.max(num_blocks, Int32(1))
 
         if warp_idx == 0:
             # The TMA copies elect their own issuing lane: they must not sit inside elect_one.
@@ -389,14 +433,14 @@ class SparseMlaBwdSm90:
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             self.producer(mKV, mIdx, sK_ptr, sRowIdx, sValid, kv_a, kv_b, kv_c, bar_meta,
-                          s_idx, topk_len, num_blocks, idx_in_wg, warp_idx % 4,
+                          s_idx, topk_len, num_blocks, start, idx_in_wg, warp_idx % 4,
                           dev.Trace(self.trace, trace_row, TRACE_BASE[2], TRACE_PER_BLOCK, TRACE_BLOCKS))
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             self.consumer(
                 mDO, mO, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
                 tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in, kv_a, kv_b, kv_c,
-                bar_meta, s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, wg, idx_in_wg, warp_idx,
+                bar_meta, s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, start, wg, idx_in_wg, warp_idx,
                 _Exchange(self, storage, mbar, wg, idx_in_wg, h_blk),
                 trace_row,
             )
@@ -419,6 +463,7 @@ class SparseMlaBwdSm90:
         s_idx: Int32,
         topk_len: Int32,
         num_blocks: Int32,
+        start: Int32,
         ptid: Int32,
         warp_in_wg: Int32,
         tr,
@@ -432,8 +477,9 @@ class SparseMlaBwdSm90:
         for b in cutlass.range(num_blocks, unroll=1):
             parity = b & 1
             tr.stamp(b, 0, rec)
-            gather.load_indices(b, 0)
-            row_idx, row_ok = gather.index_at(b * B_TOPK + ptid % B_TOPK)
+            blk = self._block_at(b, start, num_blocks)
+            gather.load_indices(blk, 0)
+            row_idx, row_ok = gather.index_at(blk * B_TOPK + ptid % B_TOPK)
             bits = Uint32(cute.arch.vote_ballot_sync(row_ok))
             tr.stamp(b, 1, rec)
             # The buffer and sValid are free once both dQ products of block b-1 are done (every
@@ -498,6 +544,7 @@ class SparseMlaBwdSm90:
         topk: Int32,
         topk_len: Int32,
         num_blocks: Int32,
+        start: Int32,
         wg: Int32,
         idx_in_wg: Int32,
         warp_idx: Int32,
@@ -596,7 +643,8 @@ class SparseMlaBwdSm90:
                         if const_expr(self.attn_sum):
                             colsum[2 * g + v0] = acc_s[i0] * asc0 + acc_s[i1] * asc1
                 if const_expr(self.attn_sum):
-                    self._attn_sum_block(colsum, sPsum, mAsum, lane, idx_in_wg, warp_idx, h_blk, s_idx, b)
+                    self._attn_sum_block(colsum, sPsum, mAsum, lane, idx_in_wg, warp_idx, h_blk, s_idx,
+                                         self._block_at(b, start, num_blocks))
                 rPb.store(acc_s.load().to(BFloat16))
                 if b > 0:
                     # WG1's dKV products of block b-1 still read P: wait for them.
@@ -710,6 +758,16 @@ class SparseMlaBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _block_at(self, b: Int32, start: Int32, num_blocks: Int32) -> Int32:
+        """The row's block that step ``b`` of the loop works on (``rotate_shift``: from ``start``,
+        wrapping around; else ``b``)."""
+        blk = b
+        if const_expr(self.rotate_shift > 0):
+            blk = b + start
+            blk = cutlass.select_(blk >= num_blocks, blk - num_blocks, blk)
+        return blk
+
     def _mma(self, a_major, b_major, n: int):
         return sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, a_major, b_major, Float32, (1, 1, 1), (64, n)
