@@ -123,7 +123,7 @@ KERNELS = {
     "sm_90a": (
         "sm90_fwd_d576_h128", "sm90_attn_dist_d576_h128_heads", "sm90_attn_dist_d576_h64_tokens_norm",
         "sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det", "sm90_bwd_d576_h128_topklen_asum_sink", "sm90_bwd_d512_h64",
-        "probe",
+        "sm90_bwd_d576_h128_rot", "probe",
     ),
 }
 

@@ -176,57 +176,40 @@ def test_sm90_backward_trace_build():
     """The backward's timing-trace build (``trace=True``, tools/trace_bwd.py) compiles to the same
     products, exchange and atomics as the kernel, plus predicated stores of the cycle counter and
     no spills; it takes the attn_sum argument as its buffer, so it refuses attn_sum."""
-    from mla_kernels.sm90 import compile_bwd
+    from conftest import compile_records
     from mla_kernels.sm90.bwd import SparseMlaBwdSm90
 
     with pytest.raises(ValueError, match="trace"):
         SparseMlaBwdSm90(576, attn_sum=True, trace=True)
     with pytest.raises(ValueError, match="trace"):
         SparseMlaBwdSm90(576, deterministic=True, trace=True)
-    nvd = compile_report.find_nvdisasm()
-    with compile_report._CaptureFds() as cap:
-        import glob
-        import subprocess
-        import tempfile
-
-        d = tempfile.mkdtemp()
-        compile_bwd(576, 128, False, arch="sm_90a", trace=True, keep=True, dump_dir=d, extra_options="remarks{ptx}")
-    assert "0 bytes spill stores, 0 bytes spill loads" in cap.text
-    if nvd is None:
+    r = compile_records("sm_90a", {"sm90_bwd_d576_h128_trace"})["sm90_bwd_d576_h128_trace"]
+    assert r["spill_bytes"] == 0
+    if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
-    sass = subprocess.run([nvd, "-c", glob.glob(os.path.join(d, "*.cubin"))[0]], capture_output=True, text=True).stdout
-    counts, _ = compile_report.sass_counts(sass)
+    counts = r["sass"]
     assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
     assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == 18
-    assert sass.count("SR_CLOCKLO") >= 40 and counts.get("STG.E", 0) >= 40
+    assert r["special_regs"].get("SR_CLOCKLO", 0) >= 40 and counts.get("STG.E", 0) >= 40
 
 
 def test_sm90_backward_rotated_block_order_build():
     """The rotated block order (``rotate_shift``, the sm90 default on band-ordered slots) reads
     the global timer once per CTA (pair) and otherwise compiles to the kernel's products, exchange and
     atomics, with no spills; deterministic mode refuses it (dq's block order must be fixed)."""
-    from mla_kernels.sm90 import compile_bwd
+    from conftest import compile_records
     from mla_kernels.sm90.bwd import SparseMlaBwdSm90
 
     with pytest.raises(ValueError, match="deterministic"):
         SparseMlaBwdSm90(576, deterministic=True, rotate_shift=13)
     with pytest.raises(ValueError, match="rotate_shift"):
         SparseMlaBwdSm90(576, rotate_shift=41)
-    nvd = compile_report.find_nvdisasm()
-    with compile_report._CaptureFds() as cap:
-        import glob
-        import subprocess
-        import tempfile
-
-        d = tempfile.mkdtemp()
-        compile_bwd(576, 128, False, arch="sm_90a", rotate_shift=13, keep=True, dump_dir=d,
-                    extra_options="remarks{ptx}")
-    assert "0 bytes spill stores, 0 bytes spill loads" in cap.text
-    if nvd is None:
+    r = compile_records("sm_90a", {"sm90_bwd_d576_h128_rot"})["sm90_bwd_d576_h128_rot"]
+    assert r["spill_bytes"] == 0
+    if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
-    sass = subprocess.run([nvd, "-c", glob.glob(os.path.join(d, "*.cubin"))[0]], capture_output=True, text=True).stdout
-    counts, _ = compile_report.sass_counts(sass)
+    counts = r["sass"]
     assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
     # (one more st.async: CTA rank 0 sends its tick to rank 1)
     assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == 19
-    assert sass.count("SR_GLOBALTIMER") == 1
+    assert r["special_regs"].get("SR_GLOBALTIMERLO", 0) == 1

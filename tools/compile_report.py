@@ -80,6 +80,9 @@ def kernels_for(arch):
             ("sm90_bwd_d576_h128_topklen_asum_sink",
              lambda a, **kw: compile_bwd(576, 128, True, True, True, arch=a, **kw)),
             ("sm90_bwd_d576_h128_det", lambda a, **kw: compile_bwd(576, 128, False, deterministic=True, arch=a, **kw)),
+            # the kernel that runs by default on band-ordered slots (bwd_host.rotate_shift_for)
+            ("sm90_bwd_d576_h128_rot", lambda a, **kw: compile_bwd(576, 128, False, arch=a, rotate_shift=13, **kw)),
+            ("sm90_bwd_d576_h128_trace", lambda a, **kw: compile_bwd(576, 128, False, arch=a, trace=True, **kw)),
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),
             ("segment_sum_d576_bf16", lambda a, **kw: compile_segment_sum(576, a, bf16_rows=True, **kw)),
@@ -322,12 +325,14 @@ def report_one(name, builder, arch, nvdisasm):
         sass=None,
         sass_base=None,
         barriers=None,
+        special_regs=None,
     )
     cubins = glob.glob(os.path.join(dump, "*.cubin"))
     if nvdisasm and cubins:
         out = subprocess.run([nvdisasm, "-c", cubins[0]], capture_output=True, text=True)
         rec["sass"], rec["sass_base"] = sass_counts(out.stdout)
         rec["barriers"] = barrier_sites(out.stdout)
+        rec["special_regs"] = dict(collections.Counter(re.findall(r"\bSR_[A-Z0-9_]+", out.stdout)))
     shutil.rmtree(dump, ignore_errors=True)
     return rec
 

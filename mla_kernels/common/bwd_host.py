@@ -124,11 +124,9 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
     slots (``attn_sum`` is mapped back to the caller's slot order); ``rotate_shift``: the backend's
     block-order tick on such slots (:func:`rotate_shift_for`)."""
     perm = None
-    ordered = False
-    if sort_indices and sort_enabled() and p.indices.is_cuda:
-        p0 = p
+    ordered = sort_indices and sort_enabled() and p.indices.is_cuda
+    if ordered:
         p, perm = kv_ordered(p, return_attn_sum)
-        ordered = p is not p0
     dev = p.device
     n_hblk = p.h_q // B_H
     lse2, corr, asum_scale, lse_eff = row_terms(p, lse, dlse, return_attn_sum)

@@ -106,6 +106,11 @@ TRACE_ARRIVE = TRACE_START + 3  # + role (0 WG0, 1 WG1, 2 producer)
 TRACE_SLOTS = TRACE_ARRIVE + 3
 
 
+def pair_rank(h_blk):
+    """With the pair sum: the CTA's rank in its 2-CTA cluster (the token's two head blocks)."""
+    return h_blk % 2
+
+
 class SparseMlaBwdSm90:
     """Static configuration + host launcher + device kernel of the sm90 sparse backward."""
 
@@ -358,7 +363,7 @@ class SparseMlaBwdSm90:
         cute.arch.mbarrier_init_fence()
         if const_expr(self.rotate_shift > 0):
             # (with the pair sum only CTA rank 0 reads the clock: rank 1 gets its tick, below)
-            if tidx == 0 and (not self.pair_sum or h_blk % 2 == 0):
+            if tidx == 0 and (not self.pair_sum or pair_rank(h_blk) == 0):
                 storage.sStart[0] = dev.globaltimer_ticks(self.rotate_shift)
         trace_row = Int64(0)
         if const_expr(self.trace):
@@ -394,6 +399,16 @@ class SparseMlaBwdSm90:
         if const_expr(self.has_topk_length):
             topk_len = cutlass.max(cutlass.min(mTopkLen[s_idx], topk), 0)
         num_blocks = (topk_len + (B_TOPK - 1)) // B_TOPK
+        if warp_idx == 0:
+            # The TMA copies elect their own issuing lane: they must not sit inside elect_one.
+            tQsQ, tQgQ = tma.token_tile_partition(tma_atom_q, tma_q, s_idx, (B_H, self.d_qk), (h_blk, 0), sQ)
+            tDsDO, tDgDO = tma.token_tile_partition(tma_atom_do, tma_do, s_idx, (B_H, self.d_v), (h_blk, 0), sDO)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_in, B_H * (self.d_qk + self.d_v) * 2)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_in)
+            cute.copy(tma_atom_do, tDgDO, tDsDO, tma_bar_ptr=bar_in)
+
+        # (after Q / dO's load is issued: rank 1's wait for the tick is not on that path)
         start = Int32(0)
         if const_expr(self.rotate_shift > 0):
             if const_expr(self.pair_sum):
@@ -401,7 +416,7 @@ class SparseMlaBwdSm90:
                 # its tick into rank 1's sStart (st.async, completing on rank 1's MB_START; the
                 # peer's barrier was initialised before the cluster barrier above)
                 start_bar = mbar + MB_START
-                if h_blk % 2 == 0:
+                if pair_rank(h_blk) == 0:
                     if tidx == 0:
                         t0 = storage.sStart[0]
                         dev.st_async_v4_b32(
@@ -413,15 +428,6 @@ class SparseMlaBwdSm90:
                         dev.mbarrier_arrive_expect_tx(dev.smem_addr_u32(start_bar), 16)
                     cute.arch.mbarrier_wait(start_bar, 0)
             start = storage.sStart[0] % cutlass.max(num_blocks, Int32(1))
-
-        if warp_idx == 0:
-            # The TMA copies elect their own issuing lane: they must not sit inside elect_one.
-            tQsQ, tQgQ = tma.token_tile_partition(tma_atom_q, tma_q, s_idx, (B_H, self.d_qk), (h_blk, 0), sQ)
-            tDsDO, tDgDO = tma.token_tile_partition(tma_atom_do, tma_do, s_idx, (B_H, self.d_v), (h_blk, 0), sDO)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_in, B_H * (self.d_qk + self.d_v) * 2)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_in)
-            cute.copy(tma_atom_do, tDgDO, tDsDO, tma_bar_ptr=bar_in)
 
         sRowIdx = storage.sRowIdx.get_tensor(cute.make_layout(2 * B_TOPK))
         sValid = storage.sValid.get_tensor(cute.make_layout(2))
@@ -1027,7 +1033,7 @@ class _Exchange:
         self.n_slots = kernel.n_slots
         self.rank = Int32(0)
         if kernel.pair_sum:
-            self.rank = h_blk % 2
+            self.rank = pair_rank(h_blk)
             self.tid = idx_in_wg
             if kernel.land_in_kv:
                 # slots 0, 1: WG0 the RoPE k-tile (read by WG0 only), WG1 k-tile n-2 (WG1's last dQ
