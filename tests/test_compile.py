@@ -26,7 +26,7 @@ def sm90_report():
     # shared with tests/test_barrier_rule.py (one compile per kernel per session)
     from conftest import compile_records
 
-    return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_fwd_d576_h128_fixed",
+    return compile_records("sm_90a", {"sm90_fwd_d576_h128", "sm90_fwd_d576_h128_fixed", "sm90_fwd_d576_h128_rot",
                                       "sm90_attn_dist_d576_h128_heads",
                                       "sm90_attn_dist_d576_h128_heads_persist",
                                       "sm90_attn_dist_d576_h128_heads_persist_qscalar",
@@ -78,6 +78,26 @@ def test_sm90_forward_rings(sm90_report):
     rep = compile_report.bar_sync_repeats(alt["barriers"])
     assert set(rep) == {BAR_S0_READY, BAR_S1_READY} and all(len(a) == 2 for a in rep.values())
     assert compile_report.bar_sync_repeats(fixed["barriers"]) == {}
+
+
+def test_sm90_forward_rotated_pair_order(sm90_report):
+    """The rotated pair order (``rotate_shift``, the sm90 default on band-ordered slots) reads the
+    global timer once per CTA and otherwise compiles to the forward's products, gathers and
+    epilogue, with no spills; the default kernel reads no timer."""
+    from mla_kernels.sm90.fwd import SparseMlaFwdSm90
+
+    with pytest.raises(ValueError, match="rotate_shift"):
+        SparseMlaFwdSm90(576, rotate_shift=41)
+    rot, base = sm90_report["sm90_fwd_d576_h128_rot"], sm90_report["sm90_fwd_d576_h128"]
+    assert rot["spill_bytes"] == 0 and rot["registers"] == base["registers"]
+    assert 0 < rot["smem_bytes"] <= SMEM_LIMIT
+    if rot["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    for k in ("HGMMA.64x64x16.F32.BF16", "HGMMA.64x256x16.F32.BF16", "UTMASTG.3D", "UBLKCP.G.S"):
+        assert rot["sass"].get(k, 0) == base["sass"].get(k, 0) > 0, k
+    assert rot["sass_base"].get("LDGSTS", 0) == base["sass_base"].get("LDGSTS", 0) > 0
+    assert rot["special_regs"].get("SR_GLOBALTIMERLO", 0) == 1
+    assert base["special_regs"].get("SR_GLOBALTIMERLO", 0) == 0
 
 
 @pytest.mark.parametrize("name", ["sm90_attn_dist_d576_h128_heads", "sm90_attn_dist_d576_h128_heads_persist",

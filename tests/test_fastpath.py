@@ -272,12 +272,15 @@ def test_kernel_backend_launchers_on_cpu(monkeypatch):
     from mla_kernels.common import kernel_backend, order_host
 
     seen = []
+    shifts = []
 
     class Stub(kernel_backend.CuteKernelBackend):
         name = "stub"
         fwd_sort_indices = True
+        fwd_rotate_shift = 12
 
-        def fwd_kernel(self, p):
+        def fwd_kernel(self, p, rotate_shift=0):
+            shifts.append(rotate_shift)
             return lambda *a: seen.append(a)
 
     c = make_case(3, 64, 576, 50, 64, dtype=torch.bfloat16, seed=1)
@@ -293,8 +296,16 @@ def test_kernel_backend_launchers_on_cpu(monkeypatch):
     monkeypatch.setattr(order_host, "fwd_order_wanted", lambda p: True)
     monkeypatch.setattr(order_host, "kv_ordered", lambda p, want: (ordered, None))
     assert b.fwd_launcher(p) is None
+    monkeypatch.delenv(order_host.FWD_ROTATE_ENV, raising=False)
     b.fwd(p)
     assert seen[1][2] is ordered.indices
+    # the given order: no rotation; kv-ordered slots: the backend's tick unless MLA_KERNELS_FWD_ROTATE=0
+    monkeypatch.setenv(order_host.FWD_ROTATE_ENV, "0")
+    b.fwd(p)
+    assert shifts == [0, 0, 12, 0] and seen[2][2] is ordered.indices
+    monkeypatch.setenv(order_host.FWD_ROTATE_ENV, "2")
+    with pytest.raises(ValueError, match="MLA_KERNELS_FWD_ROTATE"):
+        b.fwd(p)
 
 
 def test_guard_and_recording_units(monkeypatch):

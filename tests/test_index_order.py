@@ -149,3 +149,45 @@ def test_fwd_same_with_and_without_order(h_q, sink, monkeypatch):
         out, ml, lse = res[flag]
         assert_close_fwd(out, ml, lse, want, empty=empty)
         assert rel_l2(out, res["0"][0]) < 5e-3
+
+
+@skip_unless_sm90()
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,d_qk,topk", [(128, 576, 640), (64, 576, 704), (128, 512, 704)])
+def test_fwd_rotated_pair_order(h_q, d_qk, topk, monkeypatch):
+    """The forward with the rotated pair order (``rotate_shift``; a 2 ns tick here, so that the CTAs
+    start at scattered pairs) meets the forward tolerances against the float32 reference and
+    matches the fixed order, with an odd number of blocks (a half-empty pair that is no longer the
+    last one), topk_length (rows of 0..topk slots), invalid / duplicate slots and a sink; the
+    default path on kv-ordered slots takes the rotated kernel."""
+    import mla_kernels as mk
+    from mla_kernels import reference as ref
+    from mla_kernels.common import order_host
+    from mla_kernels.sm90 import BACKEND
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_kv = 5000
+    case = make_case(300, h_q, d_qk, s_kv, topk, device="cuda", invalid_frac=0.1, dup_frac=0.1, topk_length=True,
+                     sink="finite")
+    args = (case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length, case.attn_sink)
+    p = mk.api.make_problem(*args)
+    fixed = BACKEND._fwd_launch(p)(p.q, p.kv, p.indices, p.topk_length, p.attn_sink)
+    rot = BACKEND._fwd_launch(p, 1)(p.q, p.kv, p.indices, p.topk_length, p.attn_sink)
+    want = ref.sparse_mla_fwd_ref(case.q.float(), case.kv.float(), case.indices, case.sm_scale, 512,
+                                  case.topk_length, case.attn_sink)
+    valid = ref.valid_mask(case.indices, s_kv, case.topk_length)
+    empty = (~valid.any(dim=-1))[:, None].expand(-1, h_q)
+    assert empty.any() and not empty.all()
+    for out, ml, lse in (fixed, rot):
+        assert_close_fwd(out, ml, lse, want, empty=empty)
+    assert rel_l2(rot[0], fixed[0]) < 5e-3
+    assert torch.equal(rot[1], fixed[1])  # the row max does not depend on the order
+    torch.testing.assert_close(rot[2], fixed[2], rtol=1e-5, atol=1e-5)
+    # the default path: kv-ordered slots with the backend's tick
+    monkeypatch.setenv(order_host.FWD_ORDER_ENV, "1")
+    for flag in ("0", "1"):
+        monkeypatch.setenv(order_host.FWD_ROTATE_ENV, flag)
+        assert order_host.fwd_rotate_shift_for(BACKEND.fwd_rotate_shift) == (BACKEND.fwd_rotate_shift if flag == "1"
+                                                                              else 0)
+        out, ml, lse = mk.sparse_mla_fwd(*args)
+        assert_close_fwd(out, ml, lse, want, empty=empty)

@@ -21,7 +21,7 @@ def test_groups_cover_every_dispatchable_option():
     assert {g.topk_length for g in gs} == {True, False} and {g.sink for g in gs} == {True, False}
     assert {g.normalize for g in gs} == {True, False}
     ops = {op for g in gs for op in g.ops}
-    assert ops == {"fwd", "attn_dist", "attn_dist_persist", "attn_dist_qscalar", "attn_dist_qglobal", "bwd", "bwd_asum",
+    assert ops == {"fwd", "fwd_rot", "attn_dist", "attn_dist_persist", "attn_dist_qscalar", "attn_dist_qglobal", "bwd", "bwd_asum",
                    "bwd_det",
                    "bwd_det_asum", "bwd_dlse",
                    "decode_split_h128", "decode_direct_h64", "decode_direct_h128_d512", "decode_direct_h64_oregs",

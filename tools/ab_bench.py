@@ -22,6 +22,7 @@ import argparse
 import importlib
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -151,8 +152,11 @@ def main(argv=None) -> int:
     print(f"GPU: {torch.cuda.get_device_name(dev)}; variants: {', '.join(n for n, _ in variants)}")
     rows = []
     for sname in args.shapes.split(","):
+        m = re.fullmatch(r"v32-h(\d+)-kv(\d+)k", sname)
+        if sname not in shapes and m:  # the V3.2 shape at any h_q and s_kv (e.g. v32-h64-kv128k)
+            shapes[sname] = (sname, 4096, int(m.group(1)), 2048, 576, 512, int(m.group(2)) * 1024)
         if sname not in shapes:
-            ap.error(f"unknown shape {sname!r}; choose from {', '.join(shapes)}")
+            ap.error(f"unknown shape {sname!r}; choose from {', '.join(shapes)} or v32-h<H>-kv<N>k")
         _, s_q, h_q, topk, d_qk, d_v, s_kv = shapes[sname]
         sets = bench.make_sets(args.sets, s_q, h_q, topk, d_qk, d_v, s_kv, dev, torch.bfloat16)
         sm_scale = 1.0 / math.sqrt(d_qk)

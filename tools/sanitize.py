@@ -59,7 +59,8 @@ class Group:
     topk_length: bool
     sink: bool
     normalize: bool  # attn_dist's fused (or host-side) normalisation
-    # fwd, attn_dist, attn_dist_persist (a persistent grid of 3 CTAs: many items per CTA; Q through
+    # fwd, fwd_rot (kv-ordered slots: the rotated pair order), attn_dist, attn_dist_persist (a persistent
+    # grid of 3 CTAs: many items per CTA; Q through
     # the KV ring, the persistent grid's default in both modes),
     # attn_dist_qscalar (the same with Q by 4-byte loads from global memory), attn_dist_qglobal (the
     # same with Q by 16-byte loads from global memory instead of through the KV ring), bwd,
@@ -72,14 +73,14 @@ class Group:
 #: head blocks: no backward cluster pair), topk_length and attn_sink on and off, attn_sum scaled
 #: (sink) and unscaled, deterministic with the segment-sum reduction, dlse.
 GROUPS = (
-    Group("A", 576, 128, True, True, True, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qscalar",
+    Group("A", 576, 128, True, True, True, ("fwd", "fwd_rot", "attn_dist", "attn_dist_persist", "attn_dist_qscalar",
                                             "attn_dist_qglobal", "bwd",
                                             "bwd_asum", "bwd_det", "bwd_dlse")),
     Group("B", 512, 64, True, False, False, ("fwd", "attn_dist", "attn_dist_persist", "attn_dist_qscalar", "bwd",
                                              "bwd_asum", "bwd_det_asum")),
     Group("C", 576, 192, False, False, True, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det", "bwd_dlse")),
     Group("D", 512, 128, False, True, False, ("fwd", "attn_dist", "attn_dist_qglobal", "bwd_asum", "bwd_det")),
-    Group("E", 576, 64, False, True, False, ("fwd", "attn_dist", "attn_dist_persist", "bwd", "bwd_det_asum")),
+    Group("E", 576, 64, False, True, False, ("fwd", "fwd_rot", "attn_dist", "attn_dist_persist", "bwd", "bwd_det_asum")),
     # the decode path (paged cache, block table, q_bias, split-top-k + lse combine, one-split
     # direct bf16 output, heads on the MMA's N side for h_q <= 32, the combine fused into the split
     # kernel: the last CTA merges; the split CTAs of a row as one cluster merging over DSMEM, float32
@@ -218,6 +219,10 @@ def run_workload(g: Group, device: str = "cuda", backend: str = "sm90") -> int:
     if "fwd" in g.ops:  # (with --ops leaving it out, the later ops take the reference's out / lse)
         fwd = step("fwd", lambda: mk.sparse_mla_fwd(qd, kvd, idxd, sm_scale, 512, tld, sinkd),
                    lambda r: [("out", r[0].float(), want_out, 1e-2), ("lse", r[2], want_lse, 1e-5)])
+    if "fwd_rot" in g.ops:  # kv-ordered slots: the forward's rotated pair order (its default there)
+        with mock.patch.dict(os.environ, {"MLA_KERNELS_FWD_ORDER": "1", "MLA_KERNELS_FWD_ROTATE": "1"}):
+            step("fwd_rot", lambda: mk.sparse_mla_fwd(qd, kvd, idxd, sm_scale, 512, tld, sinkd),
+                 lambda r: [("out", r[0].float(), want_out, 1e-2), ("lse", r[2], want_lse, 1e-5)])
     out_d, lse_d = (fwd[0], fwd[2]) if fwd is not None else (want_out.to(dev, torch.bfloat16), want_lse.to(dev))
     out_c = out_d.float().cpu()
 

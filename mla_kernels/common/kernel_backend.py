@@ -118,8 +118,9 @@ class CuteKernelBackend(Backend):
         """None if a device of this compute capability runs this backend's kernels."""
         raise NotImplementedError
 
-    def fwd_kernel(self, p: Problem):
-        """The compiled forward for ``p``'s static configuration (through the compile cache)."""
+    def fwd_kernel(self, p: Problem, rotate_shift: int = 0):
+        """The compiled forward for ``p``'s static configuration (through the compile cache);
+        ``rotate_shift`` (only where :attr:`fwd_rotate_shift` is set): the kernel's pair-order tick."""
         raise NotImplementedError
 
     def attn_dist_heads_per_cta(self, h_q: int) -> int:
@@ -139,6 +140,9 @@ class CuteKernelBackend(Backend):
     #: Run the forward on kv-ordered slots where ``order_host.fwd_order_wanted`` says so (long kv
     #: ranges); on where it was measured.
     fwd_sort_indices = False
+    #: The forward kernel's pair-order tick on kv-ordered slots (``rotate_shift``, 0: none;
+    #: ``order_host.fwd_rotate_shift_for``); on where it was measured.
+    fwd_rotate_shift = 0
 
     @property
     def import_spec(self) -> str:
@@ -190,7 +194,7 @@ class CuteKernelBackend(Backend):
             from . import order_host
 
             p = order_host.kv_ordered(p, False)[0]
-            launch = self._fwd_launch(p)
+            launch = self._fwd_launch(p, order_host.fwd_rotate_shift_for(self.fwd_rotate_shift))
         return launch(p.q, p.kv, p.indices, p.topk_length, p.attn_sink)
 
     def fwd_launcher(self, p: Problem):
@@ -203,9 +207,10 @@ class CuteKernelBackend(Backend):
                 return None
         return self._fwd_launch(p)
 
-    def _fwd_launch(self, p: Problem):
-        """The launch of the forward for ``p``'s static configuration and shapes."""
-        fn = self.fwd_kernel(p)
+    def _fwd_launch(self, p: Problem, rotate_shift: int = 0):
+        """The launch of the forward for ``p``'s static configuration and shapes (``rotate_shift``:
+        the pair-order tick, on kv-ordered slots only)."""
+        fn = self.fwd_kernel(p, rotate_shift) if rotate_shift else self.fwd_kernel(p)
         out_shape, row_shape, device = (p.s_q, p.h_q, p.d_v), (p.s_q, p.h_q), p.device
         tl0 = host.dummy(torch.int32, device)
         sink0 = host.dummy(torch.float32, device)

@@ -27,12 +27,13 @@ __all__ = [
 
 
 def compile_fwd(d_qk: int, h_q: int, has_topk_length: bool, has_sink: bool, arch: str = "sm_90a",
-                ring_alt: Optional[bool] = None, **kw):
+                ring_alt: Optional[bool] = None, rotate_shift: int = 0, **kw):
     """Compile the sm90 forward for one static configuration (no GPU needed); ``ring_alt``: the
-    alternating KV ring (None: :data:`DEFAULT_FWD_RING`, see :func:`fwd_ring`)."""
+    alternating KV ring (None: :data:`DEFAULT_FWD_RING`, see :func:`fwd_ring`); ``rotate_shift``:
+    the rotated pair order (``SparseMlaFwdSm90``; for kv-ordered slots)."""
     from .fwd import SparseMlaFwdSm90
 
-    kernel = SparseMlaFwdSm90(d_qk, 512, has_topk_length, has_sink)
+    kernel = SparseMlaFwdSm90(d_qk, 512, has_topk_length, has_sink, rotate_shift=rotate_shift)
     kernel.ring_alt = DEFAULT_FWD_RING == "alt" if ring_alt is None else bool(ring_alt)
     return kernel, _compile.compile_kernel(kernel, *fwd_fake_args(d_qk, h_q), arch=arch, **kw)
 
@@ -195,18 +196,21 @@ class Sm90Backend(CuteKernelBackend):
     bwd_sort_indices = True  # H200, s_kv 32k: h_q 64 1.35x, h_q 128 1.01x (docs/PERF.md)
     bwd_rotate_shift = 13  # H200, h_q 128: s_kv 128k / 64k 1.08x / 1.06x, 8k / 32k ~1.01x (docs/PERF.md)
     fwd_sort_indices = True  # long kv ranges only (order_host.fwd_order_wanted; docs/PERF.md)
+    fwd_rotate_shift = 12  # on kv-ordered slots (order_host.fwd_rotate_shift_for; docs/PERF.md)
 
     def device_reason(self, major: int, minor: int) -> Optional[str]:
         return None if (major, minor) == (9, 0) else "not a compute capability 9.0 (Hopper) device"
 
-    def fwd_kernel(self, p: Problem):
+    def fwd_kernel(self, p: Problem, rotate_shift: int = 0):
         arch = _compile.arch_for_device(p.device)
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
         ring = fwd_ring()
-        # (the default ring keeps the kernel's cache key)
+        # (the default ring and order keep the kernel's cache key)
         key = ("SparseMlaFwdSm90", p.d_qk, p.h_q, has_tl, has_sink, arch)
         key = key + (() if ring == DEFAULT_FWD_RING else (ring,))
-        return cached(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch, ring_alt=ring == "alt"))
+        key = key + ((("rotate_shift", rotate_shift),) if rotate_shift else ())
+        return cached(key, lambda: compile_fwd(p.d_qk, p.h_q, has_tl, has_sink, arch, ring_alt=ring == "alt",
+                                               rotate_shift=rotate_shift))
 
     # -- decode and merge (common/decode_host.py) ------------------------------------------------
     def supports(self, op, p):

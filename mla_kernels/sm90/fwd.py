@@ -36,6 +36,14 @@ so WG0's QK product never waits for copies issued at the end of a pair.  The loo
 once per parity: each warpgroup's P-landed barrier (WG1: ``BAR_S0_READY``, WG0: ``BAR_S1_READY``)
 is synced at two addresses, one per body, by the same 128 threads in turn.
 
+``rotate_shift`` (the default on kv-ordered slots, ``common/order_host.fwd_rotate_shift_for``): one
+thread reads ``%globaltimer >> rotate_shift`` at the CTA's start into smem, and the producer
+gathers the row's block pairs from pair ``tick % num_pairs`` on, wrapping around.  With each row's
+slots in kv-band order, pair ``i`` of every row covers about the ``i``-th sixteenth of the kv
+range, so the CTAs running at any time gather from one band that stays in L2 (the backward's
+rotated block order).  The consumers do not see the order: their validity masks say which slots
+count, wherever the half-empty pair of an odd block count falls.
+
 Synchronisation (clean under compute-sanitizer racecheck and synccheck): the KV halves are guarded
 by ready/free mbarriers; the row-max exchange uses two arrays (``sM0`` written only by WG0,
 ``sM1`` only by WG1) and two :class:`~mla_kernels.common.device.PhaseSignal` mbarriers, so no
@@ -76,7 +84,8 @@ BAR_EPI_TILE = 8  # epilogue: ids 8..11 (WG0's four O tiles), 12..15 (WG1's); im
 class SparseMlaFwdSm90:
     """Static configuration + host launcher + device kernel of the sm90 sparse forward."""
 
-    def __init__(self, d_qk: int, d_v: int = 512, has_topk_length: bool = False, has_sink: bool = False):
+    def __init__(self, d_qk: int, d_v: int = 512, has_topk_length: bool = False, has_sink: bool = False,
+                 rotate_shift: int = 0):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 forward supports d_qk 512 or 576, got {d_qk}")
         if d_v != 512:
@@ -94,6 +103,15 @@ class SparseMlaFwdSm90:
         self.ring_alt = False
         # setmaxnreg budget: 2*consumer + producer must not exceed the launch allocation of
         # 168 regs x 384 threads (= 504 per thread-slot of a warpgroup), or the increase blocks.
+        # Pair order (``rotate_shift`` > 0): the producer starts the row's block pairs at pair
+        # ``(%globaltimer >> rotate_shift) % num_pairs`` and wraps around.  On band-ordered slots
+        # (``common/order_host.kv_ordered``) the CTAs running at any time then gather from one kv
+        # band (the backward's rotated block order, for the forward's gather).  Only the producer
+        # reads it: the consumers' online softmax does not depend on the order of the pairs (their
+        # validity masks say which slots count), so the outputs differ by rounding only.
+        if not 0 <= rotate_shift <= 40:
+            raise ValueError(f"rotate_shift must be in [0, 40], got {rotate_shift}")
+        self.rotate_shift = rotate_shift
         self.regs_consumer = 216
         self.regs_producer = 72
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -147,6 +165,9 @@ class SparseMlaFwdSm90:
             sL: cute.struct.MemRange[Float32, 2 * B_H]
             # lse / max_logits rows of the 64 heads, for the epilogue's bulk copies
             sOut: cute.struct.Align[cute.struct.MemRange[Float32, 2 * B_H], 16]
+            # rotate_shift: the pair-order tick, read once per CTA (every producer thread must
+            # gather the same pair)
+            sStart: cute.struct.MemRange[Int32, 1]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -220,6 +241,8 @@ class SparseMlaFwdSm90:
                 cute.arch.mbarrier_init(bar_valid, 4)
                 max0_ready.init(128)
                 max1_ready.init(128)
+                if const_expr(self.rotate_shift > 0):
+                    storage.sStart[0] = dev.globaltimer_ticks(self.rotate_shift)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -253,12 +276,13 @@ class SparseMlaFwdSm90:
         sK1_ptr = storage.sK1.data_ptr()
         sQ_ptr = storage.sQ.data_ptr()
         sOut = storage.sOut.get_tensor(cute.make_layout(2 * B_H))
+        tick = storage.sStart[0] if const_expr(self.rotate_shift > 0) else Int32(0)
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(self.regs_producer)
             self.producer(
                 mKV, mIdx, sK0_ptr, sK1_ptr, sValid, k0l, k0r, k1l, k1r, bar_valid,
-                s_idx, topk_len, num_iters, idx_in_wg, warp_idx % 4,
+                s_idx, topk_len, num_iters, tick, idx_in_wg, warp_idx % 4,
             )
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -285,20 +309,22 @@ class SparseMlaFwdSm90:
         s_idx: Int32,
         topk_len: Int32,
         num_iters: Int32,
+        tick: Int32,
         ptid: Int32,
         warp_in_wg: Int32,
     ):
-        """WG2: gather KV rows with cp.async in halves; publish validity bitmasks."""
+        """WG2: gather KV rows with cp.async in halves; publish validity bitmasks (``tick``: the
+        CTA's pair-order tick, ``rotate_shift`` only)."""
         gather = KvGather(mKV, mIdx, s_idx, topk_len, ptid, self.d_qk, slots=2)
         sK0_addr = dev.smem_addr_u32(sK0_ptr)
         sK1_addr = dev.smem_addr_u32(sK1_ptr)
-        self._producer_loop(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, num_iters, ptid,
+        self._producer_loop(gather, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, num_iters, tick, ptid,
                             warp_in_wg)
 
     @cute.jit
     def _producer_loop(self, gather, sK0_addr, sK1_addr, sValid, k0l: cutlass.Constexpr,
                        k0r: cutlass.Constexpr, k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid,
-                       num_iters: Int32, ptid: Int32, warp_in_wg: Int32):
+                       num_iters: Int32, tick: Int32, ptid: Int32, warp_in_wg: Int32):
         """The producer loop with the indices of iteration ``it + 1`` fetched into registers during
         iteration ``it`` (their latency hides behind the free-barrier waits), and the validity
         masks voted from registers and published once both consumers have released the pieces
@@ -308,31 +334,50 @@ class SparseMlaFwdSm90:
         rpt = gather.rows_per_thread
         raw = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
         vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
+        start = Int32(0)
+        if const_expr(self.rotate_shift > 0):
+            start = tick % cutlass.max(num_iters, Int32(1))
         if num_iters > 0:
-            gather.fetch_raw(raw, 0, 0)
-            gather.fetch_raw(raw, 1, 1)
-            raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(vblk))
+            gather.fetch_raw(raw, 2 * start, 0)
+            gather.fetch_raw(raw, 2 * start + 1, 1)
+            raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(2 * start + vblk))
         dd.for_pairs(num_iters, self.ring_alt, lambda it, parity, odd, next_odd: self._producer_pair(
-            gather, raw, it, parity, odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid, warp_in_wg))
+            gather, raw, it, self._pair_at(it, start, num_iters), self._pair_at(it + 1, start, num_iters), parity,
+            odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid, warp_in_wg))
 
     @cute.jit
-    def _producer_pair(self, gather, raw, it: Int32, parity, odd: cutlass.Constexpr, sK0_addr, sK1_addr, sValid,
-                       k0l: cutlass.Constexpr, k0r: cutlass.Constexpr, k1l: cutlass.Constexpr,
-                       k1r: cutlass.Constexpr, bar_valid, ptid: Int32, warp_in_wg: Int32):
-        """Block pair ``it``: blocks ``2 it`` (WG0's) and ``2 it + 1`` (WG1's).  The fixed ring
+    def _pair_at(self, it: Int32, start: Int32, num_iters: Int32) -> Int32:
+        """The row's block pair that step ``it`` of the loop gathers (``rotate_shift``: from
+        ``start``, wrapping around; else ``it``)."""
+        pa = it
+        if const_expr(self.rotate_shift > 0):
+            pa = it + start
+            pa = cutlass.select_(pa >= num_iters, pa - num_iters, pa)
+        return pa
+
+    @cute.jit
+    def _producer_pair(self, gather, raw, it: Int32, pa: Int32, pn: Int32, parity, odd: cutlass.Constexpr,
+                       sK0_addr, sK1_addr, sValid, k0l: cutlass.Constexpr, k0r: cutlass.Constexpr,
+                       k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid, ptid: Int32, warp_in_wg: Int32):
+        """Loop step ``it`` gathers the row's block pair ``pa``: blocks ``2 pa`` (WG0's) and
+        ``2 pa + 1`` (WG1's), and fetches pair ``pn``'s indices (``pa = it``, ``pn = it + 1``
+        unless ``rotate_shift``); ``it`` picks the buffers and barrier phases.  The fixed ring
         fills 0L, 1R, 0R, 1L; the alternating one (``odd``: the right halves traded) left 0,
         WG0's right, WG1's right, left 1.  The masks go out after the second free wait: by then
         WG0 has released its left half and WG1 its own right half, each after reading its mask."""
         rpt = gather.rows_per_thread
         vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
-        gather.indices_from_raw(raw, 2 * it, 0)
-        gather.indices_from_raw(raw, 2 * it + 1, 1)
-        vslot = gather.vote_slot(2 * it + vblk)
+        gather.indices_from_raw(raw, 2 * pa, 0)
+        gather.indices_from_raw(raw, 2 * pa + 1, 1)
+        vslot = gather.vote_slot(2 * pa + vblk)
         bits = gather.vote_from_raw(raw[2 * rpt], vslot)
         # Next iteration's indices (slots past topk read a clamped slot; never used past the end).
-        gather.fetch_raw(raw, 2 * it + 2, 0)
-        gather.fetch_raw(raw, 2 * it + 3, 1)
-        raw[2 * rpt] = gather.fetch_slot(vslot + 2 * B_TOPK)
+        gather.fetch_raw(raw, 2 * pn, 0)
+        gather.fetch_raw(raw, 2 * pn + 1, 1)
+        if const_expr(self.rotate_shift > 0):
+            raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(2 * pn + vblk))
+        else:
+            raw[2 * rpt] = gather.fetch_slot(vslot + 2 * B_TOPK)
         k0l.wait_free(parity)
         gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
         k0l.commit_cp_async()
