@@ -462,11 +462,10 @@ def sparse_mla_fwd(
         the last two float32 (float64 for float64 inputs), natural-log units.  Rows with no
         valid slot give ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
 
-    Reproducibility: bitwise the same from run to run, except where the sm90 kernel runs on
-    kv-ordered slots (``MLA_KERNELS_FWD_ORDER``'s rule: h_q 64 with the kv rows larger than the L2
-    cache): there its CTAs start their block pairs at a time-dependent pair (the rotated pair
-    order), so ``out`` and ``lse`` vary in rounding from run to run (``max_logits`` does not);
-    ``MLA_KERNELS_FWD_ROTATE=0`` fixes the order.
+    Reproducibility: bitwise the same from run to run, unless ``MLA_KERNELS_FWD_ROTATE=1``
+    (opt-in): then, where the sm90 kernel runs on kv-ordered slots (``MLA_KERNELS_FWD_ORDER``), its
+    CTAs start their block pairs at a time-dependent pair and ``out`` and ``lse`` vary in rounding
+    from run to run (``max_logits`` does not).
     """
     if tracing():
         sh = check_inputs(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)

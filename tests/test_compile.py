@@ -81,7 +81,7 @@ def test_sm90_forward_rings(sm90_report):
 
 
 def test_sm90_forward_rotated_pair_order(sm90_report):
-    """The rotated pair order (``rotate_shift``, the sm90 default on band-ordered slots) reads the
+    """The rotated pair order (``rotate_shift``, opt-in on band-ordered slots) reads the
     global timer once per CTA and otherwise compiles to the forward's products, gathers and
     epilogue, with no spills; the default kernel reads no timer."""
     from mla_kernels.sm90.fwd import SparseMlaFwdSm90

@@ -299,10 +299,10 @@ def test_kernel_backend_launchers_on_cpu(monkeypatch):
     monkeypatch.delenv(order_host.FWD_ROTATE_ENV, raising=False)
     b.fwd(p)
     assert seen[1][2] is ordered.indices
-    # the given order: no rotation; kv-ordered slots: the backend's tick unless MLA_KERNELS_FWD_ROTATE=0
-    monkeypatch.setenv(order_host.FWD_ROTATE_ENV, "0")
+    # the given order: no rotation; kv-ordered slots: the backend's tick with MLA_KERNELS_FWD_ROTATE=1
+    monkeypatch.setenv(order_host.FWD_ROTATE_ENV, "1")
     b.fwd(p)
-    assert shifts == [0, 0, 12, 0] and seen[2][2] is ordered.indices
+    assert shifts == [0, 0, 0, 12] and seen[2][2] is ordered.indices
     monkeypatch.setenv(order_host.FWD_ROTATE_ENV, "2")
     with pytest.raises(ValueError, match="MLA_KERNELS_FWD_ROTATE"):
         b.fwd(p)

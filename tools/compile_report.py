@@ -65,7 +65,7 @@ def kernels_for(arch):
             ("sm90_fwd_d576_h128_topklen_sink", lambda a, **kw: compile_fwd(576, 128, True, True, a, **kw)),
             ("sm90_fwd_d512_h64", lambda a, **kw: compile_fwd(512, 64, False, False, a, **kw)),
             ("sm90_fwd_d576_h128_fixed", lambda a, **kw: compile_fwd(576, 128, False, False, a, ring_alt=False, **kw)),
-            # the kernel that runs by default on band-ordered slots (order_host.fwd_rotate_shift_for)
+            # the opt-in rotated pair order on band-ordered slots (order_host.fwd_rotate_shift_for)
             ("sm90_fwd_d576_h128_rot", lambda a, **kw: compile_fwd(576, 128, False, False, a, rotate_shift=12, **kw)),
             ("sm90_attn_dist_d576_h128_heads", lambda a, **kw: compile_attn_dist(576, 128, False, False, a, **kw)),
             ("sm90_attn_dist_d576_h128_heads_persist",

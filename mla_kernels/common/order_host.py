@@ -30,12 +30,12 @@ _L2_BYTES: dict = {}
 def fwd_order_wanted(p: Problem) -> bool:
     """Whether the forward should run on :func:`kv_ordered` slots (or per ``MLA_KERNELS_FWD_ORDER``):
     at ``h_q`` 64 when the ``s_kv`` bf16 kv rows outgrow the L2 cache.  There the CTAs running
-    together (one per token) gather from a band of the kv range that stays in L2 -- with the
-    rotated pair order (:func:`fwd_rotate_shift_for`) a band they all share.  Measured on an H200
-    (docs/PERF.md, back-to-back calls, against the given order): h_q 64 s_kv 64k / 128k / 256k
-    0.98-1.00x / 0.97x / 0.97-0.98x the time with the rotation, 1.03x / 1.01x / 0.98-0.99x without
-    it; at h_q 128 (two CTAs per token read the same rows) 0.99-1.00x with it, so not used there;
-    with the kv rows in L2 the order gains nothing and costs its kernel."""
+    together (one per token) gather from a band of the kv range that stays in L2.  Measured
+    (docs/PERF.md, back-to-back calls, against the given order), h_q 64 s_kv 64k / 128k / 256k: an
+    H100 0.92 / 0.81 / 0.79x the time, an H200 1.03 / 1.01 / 0.98-0.99x (its faster HBM serves the
+    misses; earlier H200 runs read 0.98 / 0.94 / 0.94x); at h_q 128 (two CTAs per token read the
+    same rows) 0.99-1.01x, so not used there; with the kv rows in L2 the order gains nothing and
+    costs its kernel."""
     mode = fastpath.knob(FWD_ORDER_ENV, "auto")
     if mode == "0" or not p.indices.is_cuda or p.s_q == 0 or p.topk == 0:
         return False
@@ -50,19 +50,24 @@ def fwd_order_wanted(p: Problem) -> bool:
     return p.s_kv * p.d_qk * p.kv.element_size() > l2
 
 
-#: Environment switch of the forward's rotated pair order on kv-ordered slots (``0``: every CTA
-#: gathers its row's block pairs from the first; for A/B timing).  See :func:`fwd_rotate_shift_for`.
+#: Environment switch of the forward's rotated pair order on kv-ordered slots (``1``: on; ``0``,
+#: the default: every CTA gathers its row's block pairs from the first).  See
+#: :func:`fwd_rotate_shift_for`.
 FWD_ROTATE_ENV = "MLA_KERNELS_FWD_ROTATE"
 
 
 def fwd_rotate_shift_for(backend_shift: int) -> int:
     """The forward kernel's ``rotate_shift`` on kv-ordered slots: the backend's (sm90: a 2^12 ns
-    tick, about one block pair of a CTA) unless ``MLA_KERNELS_FWD_ROTATE`` is ``0``.  Each CTA then
-    starts its row's pairs at ``(%globaltimer >> shift) % num_pairs``, so the CTAs running at any
-    time gather from one kv band (the backward's rotated block order, ``bwd_host.rotate_shift_for``)."""
+    tick, about one block pair of a CTA) when ``MLA_KERNELS_FWD_ROTATE`` is ``1``, else 0.  Each CTA
+    then starts its row's pairs at ``(%globaltimer >> shift) % num_pairs``, so the CTAs running at
+    any time gather from one kv band (the backward's rotated block order,
+    ``bwd_host.rotate_shift_for``).  Off by default: measured against the fixed order on the same
+    slots (docs/PERF.md, h_q 64, s_kv 64k / 128k / 256k, back-to-back) 0.96 / 0.96 / 0.99x the time
+    on an H200 but 0.98 / 1.02 / 1.03x on an H100 -- where equal CTAs already run in step, wave after
+    wave, through the same pairs -- and it makes ``out`` / ``lse`` vary in rounding run to run."""
     if not backend_shift:
         return 0
-    v = fastpath.knob(FWD_ROTATE_ENV, "1").strip()
+    v = fastpath.knob(FWD_ROTATE_ENV, "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{FWD_ROTATE_ENV}={v!r}: expected 0 or 1")
     return backend_shift if v == "1" else 0

@@ -36,7 +36,7 @@ so WG0's QK product never waits for copies issued at the end of a pair.  The loo
 once per parity: each warpgroup's P-landed barrier (WG1: ``BAR_S0_READY``, WG0: ``BAR_S1_READY``)
 is synced at two addresses, one per body, by the same 128 threads in turn.
 
-``rotate_shift`` (the default on kv-ordered slots, ``common/order_host.fwd_rotate_shift_for``): one
+``rotate_shift`` (opt-in on kv-ordered slots, ``common/order_host.fwd_rotate_shift_for``): one
 thread reads ``%globaltimer >> rotate_shift`` at the CTA's start into smem, and the producer
 gathers the row's block pairs from pair ``tick % num_pairs`` on, wrapping around.  With each row's
 slots in kv-band order, pair ``i`` of every row covers about the ``i``-th sixteenth of the kv
