@@ -334,34 +334,39 @@ class SparseMlaFwdSm90:
         rpt = gather.rows_per_thread
         raw = cute.make_rmem_tensor((2 * rpt + 1,), Int32)
         vblk = warp_in_wg // 2  # warps 0-1 vote for block 2it, warps 2-3 for 2it+1
-        start = Int32(0)
         if const_expr(self.rotate_shift > 0):
             start = tick % cutlass.max(num_iters, Int32(1))
-        if num_iters > 0:
-            gather.fetch_raw(raw, 2 * start, 0)
-            gather.fetch_raw(raw, 2 * start + 1, 1)
-            raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(2 * start + vblk))
-        dd.for_pairs(num_iters, self.ring_alt, lambda it, parity, odd, next_odd: self._producer_pair(
-            gather, raw, it, self._pair_at(it, start, num_iters), self._pair_at(it + 1, start, num_iters), parity,
-            odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid, warp_in_wg))
+            if num_iters > 0:
+                gather.fetch_raw(raw, 2 * start, 0)
+                gather.fetch_raw(raw, 2 * start + 1, 1)
+                raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(2 * start + vblk))
+            dd.for_pairs(num_iters, self.ring_alt, lambda it, parity, odd, next_odd: self._producer_pair(
+                gather, raw, it, self._pair_at(it, start, num_iters), self._pair_at(it + 1, start, num_iters),
+                parity, odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid, warp_in_wg))
+        else:
+            if num_iters > 0:
+                gather.fetch_raw(raw, 0, 0)
+                gather.fetch_raw(raw, 1, 1)
+                raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(vblk))
+            dd.for_pairs(num_iters, self.ring_alt, lambda it, parity, odd, next_odd: self._producer_pair(
+                gather, raw, it, it, it, parity, odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid,
+                warp_in_wg))
 
     @cute.jit
     def _pair_at(self, it: Int32, start: Int32, num_iters: Int32) -> Int32:
-        """The row's block pair that step ``it`` of the loop gathers (``rotate_shift``: from
-        ``start``, wrapping around; else ``it``)."""
-        pa = it
-        if const_expr(self.rotate_shift > 0):
-            pa = it + start
-            pa = cutlass.select_(pa >= num_iters, pa - num_iters, pa)
-        return pa
+        """``rotate_shift``: the row's block pair that step ``it`` of the loop gathers (from
+        ``start``, wrapping around)."""
+        pa = it + start
+        return cutlass.select_(pa >= num_iters, pa - num_iters, pa)
 
     @cute.jit
     def _producer_pair(self, gather, raw, it: Int32, pa: Int32, pn: Int32, parity, odd: cutlass.Constexpr,
                        sK0_addr, sK1_addr, sValid, k0l: cutlass.Constexpr, k0r: cutlass.Constexpr,
                        k1l: cutlass.Constexpr, k1r: cutlass.Constexpr, bar_valid, ptid: Int32, warp_in_wg: Int32):
         """Loop step ``it`` gathers the row's block pair ``pa``: blocks ``2 pa`` (WG0's) and
-        ``2 pa + 1`` (WG1's), and fetches pair ``pn``'s indices (``pa = it``, ``pn = it + 1``
-        unless ``rotate_shift``); ``it`` picks the buffers and barrier phases.  The fixed ring
+        ``2 pa + 1`` (WG1's), and fetches the next pair's indices (``rotate_shift``: pair ``pn``;
+        else ``pa = it`` and the next pair is ``it + 1``, ``pn`` unused); ``it`` picks the buffers
+        and barrier phases.  The fixed ring
         fills 0L, 1R, 0R, 1L; the alternating one (``odd``: the right halves traded) left 0,
         WG0's right, WG1's right, left 1.  The masks go out after the second free wait: by then
         WG0 has released its left half and WG1 its own right half, each after reading its mask."""
@@ -372,11 +377,13 @@ class SparseMlaFwdSm90:
         vslot = gather.vote_slot(2 * pa + vblk)
         bits = gather.vote_from_raw(raw[2 * rpt], vslot)
         # Next iteration's indices (slots past topk read a clamped slot; never used past the end).
-        gather.fetch_raw(raw, 2 * pn, 0)
-        gather.fetch_raw(raw, 2 * pn + 1, 1)
         if const_expr(self.rotate_shift > 0):
+            gather.fetch_raw(raw, 2 * pn, 0)
+            gather.fetch_raw(raw, 2 * pn + 1, 1)
             raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(2 * pn + vblk))
         else:
+            gather.fetch_raw(raw, 2 * pa + 2, 0)
+            gather.fetch_raw(raw, 2 * pa + 3, 1)
             raw[2 * rpt] = gather.fetch_slot(vslot + 2 * B_TOPK)
         k0l.wait_free(parity)
         gather.copy_tiles(sK0_addr, 0, 0, self.n_left)
