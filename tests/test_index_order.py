@@ -48,6 +48,22 @@ def test_index_order_compiles_for_sm90():
         compile_index_order(False, False, "sm_90a", stage=3000)
 
 
+def test_index_order_run_sizes():
+    """Staged rows of up to ONE_RUN slots take one run per lane of just the slots a lane has (the
+    kernel is issue-bound: no iterations over absent slots), so pass 2 can reuse pass 1's
+    registers; longer and unstaged rows load RUN slots per lane at a time."""
+    needs_cutlass()
+    from mla_kernels.common.index_order import ONE_RUN, RUN, THREADS, KvBandOrder
+
+    assert ONE_RUN == THREADS * RUN == 2048
+    for stage, run in ((1, 1), (64, 1), (256, 1), (512, 2), (1024, 4), (2048, 8), (4096, 8), (8192, 8), (0, 8)):
+        k = KvBandOrder(True, True, stage)
+        assert k.run == run
+        if 0 < stage <= ONE_RUN:  # every row of the kernel: one run per lane covers the warp's share
+            per_warp = -(-stage // THREADS) * 32
+            assert per_warp <= 32 * k.run
+
+
 def test_expected_order_on_cpu():
     idx = torch.tensor([[5, -1, 3, 3, 9, 0], [7, 6, 5, 4, 3, 2]], dtype=torch.int32)
     out, perm = expected_order(idx, 9, torch.tensor([6, 3]))  # s_kv 9: one row per band

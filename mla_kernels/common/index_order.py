@@ -20,11 +20,17 @@ One CTA of 8 warps per row; warp ``w`` owns a contiguous run of slots, 32 at a t
 counts each warp's entries per band (lanes of one band find each other with six ballots, the
 highest of them adds the group's size to the warp's counter in shared memory); warp 0 turns the
 counts into each (warp, band)'s first output position (band-major, warp-minor: slot order within
-a band); pass 2 recomputes the groups and puts each entry at its position plus its rank among
+a band); pass 2 recomputes (or reuses) the groups and puts each entry at its position plus its rank among
 the lower lanes of its group -- into a shared-memory copy of the row (``stage`` entries, topk <=
 :data:`MAX_STAGE`), written out with coalesced stores at the end, or straight to global memory for
 longer rows.  Staging matters: scattered 4-byte stores kept the L2's crossbar busy (an H200 profile
 of the direct version at s_q 4096, topk 2048, cold caches: 99.5 us, crossbar 79% busy, DRAM 10%).
+
+The kernel is bound by instruction issue (~30 per slot: the ballots, the counter updates), so
+staged rows of up to :data:`ONE_RUN` slots (topk <= 2048) take one run per lane, of just the
+slots the lane has (``stage / 256``, at most ``RUN``), and pass 2 reuses pass 1's entries and
+groups from registers instead of loading and grouping them again (H200, s_q 4096, on a GPU with
+the launches queued: topk 2048 65 -> 45 us, see docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ BANDS = 1 << BAND_BITS  # bands 0..62 for valid entries, 63 for invalid ones
 INVALID_BAND = BANDS - 1
 RUN = 8  # slots per lane loaded before they are grouped (independent loads in flight)
 MAX_STAGE = 8192  # longest row staged in shared memory (32 KB, 64 KB with perm)
+ONE_RUN = WARPS * 32 * RUN  # staged rows up to this many slots: one run per lane (pass 2 reuses pass 1's registers)
 
 
 def stage_for(topk: int) -> int:
@@ -64,6 +71,10 @@ class KvBandOrder:
         self.has_topk_length = has_topk_length
         self.want_perm = want_perm
         self.stage = stage  # rows of topk <= stage are staged in shared memory (0: direct stores)
+        # slots per lane and run: RUN, or -- staged rows of fewer than WARPS * 32 * RUN slots --
+        # just enough for one run (no lane iterates over slots past its warp's share: the kernel is
+        # bound by instruction issue, ~30 per slot)
+        self.run = RUN if not stage else max(1, min(RUN, stage // (WARPS * 32)))
         self.smem_bytes = 0
 
     @cute.jit
@@ -103,11 +114,11 @@ class KvBandOrder:
     def _load_run(self, mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift):
         """Run ``r`` of this lane's slots (``RUN`` of them, 32 apart), loaded back to back:
         ``(present, band, entry)`` per slot, ``present`` 0 past topk or the warp's run."""
-        pres = cute.make_rmem_tensor((RUN,), Int32)
-        bands = cute.make_rmem_tensor((RUN,), Int32)
-        entries = cute.make_rmem_tensor((RUN,), Int32)
-        for u in cutlass.range_constexpr(RUN):
-            slot = first + (r * RUN + u) * 32 + lane
+        pres = cute.make_rmem_tensor((self.run,), Int32)
+        bands = cute.make_rmem_tensor((self.run,), Int32)
+        entries = cute.make_rmem_tensor((self.run,), Int32)
+        for u in cutlass.range_constexpr(self.run):
+            slot = first + (r * self.run + u) * 32 + lane
             present, band, entry = self._load(mIdx, row, slot, limit, topk, s_kv, shift)
             bands[u] = band
             entries[u] = entry
@@ -147,13 +158,25 @@ class KvBandOrder:
             cnt[tidx + k * THREADS] = Int32(0)
         cute.arch.sync_threads()
 
-        # pass 1: entries per (band, warp); the slots are loaded RUN at a time, then grouped
-        n_runs = (per_warp + 32 * RUN - 1) // (32 * RUN)
+        # pass 1: entries per (band, warp); the slots are loaded RUN at a time, then grouped.  Rows
+        # of one run per lane (a staged kernel of stage <= ONE_RUN) keep the run and each slot's
+        # group in registers for pass 2 instead of loading and grouping them again.
+        one_run = const_expr(0 < self.stage <= ONE_RUN)
+        n_runs = (per_warp + 32 * self.run - 1) // (32 * self.run)
+        pres1 = cute.make_rmem_tensor((self.run,), Int32)
+        bands1 = cute.make_rmem_tensor((self.run,), Int32)
+        entries1 = cute.make_rmem_tensor((self.run,), Int32)
+        peers1 = cute.make_rmem_tensor((self.run,), Uint32)
         for r in cutlass.range(n_runs, unroll=1):
-            pres, bands, _ = self._load_run(mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift)
-            for u in cutlass.range_constexpr(RUN):
+            pres, bands, entries = self._load_run(mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift)
+            for u in cutlass.range_constexpr(self.run):
                 present = pres[u] != 0
                 peers = self._peers(present, bands[u])
+                if const_expr(one_run):
+                    pres1[u] = pres[u]
+                    bands1[u] = bands[u]
+                    entries1[u] = entries[u]
+                    peers1[u] = peers
                 if present and (peers >> Uint32(lane)) == Uint32(1):  # the group's highest lane
                     cnt[bands[u], warp] = cnt[bands[u], warp] + Int32(cute.arch.popc(peers))
                 cute.arch.sync_warp()
@@ -181,12 +204,14 @@ class KvBandOrder:
 
         # pass 2: each entry at its (band, warp)'s next position plus its rank in its group
         for r in cutlass.range(n_runs, unroll=1):
-            pres, bands, entries = self._load_run(mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift)
-            for u in cutlass.range_constexpr(RUN):
-                slot = first + (r * RUN + u) * 32 + lane
+            pres, bands, entries = pres1, bands1, entries1
+            if const_expr(not one_run):
+                pres, bands, entries = self._load_run(mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift)
+            for u in cutlass.range_constexpr(self.run):
+                slot = first + (r * self.run + u) * 32 + lane
                 present = pres[u] != 0
                 band = bands[u]
-                peers = self._peers(present, band)
+                peers = peers1[u] if const_expr(one_run) else self._peers(present, band)
                 if present:
                     pos = cnt[band, warp] + Int32(cute.arch.popc(peers & lower))
                     if const_expr(self.stage > 0):

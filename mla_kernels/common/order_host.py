@@ -32,7 +32,7 @@ def fwd_order_wanted(p: Problem) -> bool:
     at ``h_q`` 64 when the ``s_kv`` bf16 kv rows outgrow the L2 cache.  There the CTAs running
     together (one per token) gather from a band of the kv range that stays in L2.  Measured
     (docs/PERF.md, back-to-back calls, against the given order), h_q 64 s_kv 64k / 128k / 256k: an
-    H100 0.92 / 0.81 / 0.79x the time, an H200 1.03 / 1.01 / 0.98-0.99x (its faster HBM serves the
+    H100 0.92 / 0.81 / 0.79x the time, an H200 1.02 / 0.99 / 0.98-0.99x (its faster HBM serves the
     misses; earlier H200 runs read 0.98 / 0.94 / 0.94x); at h_q 128 (two CTAs per token read the
     same rows) 0.99-1.01x, so not used there; with the kv rows in L2 the order gains nothing and
     costs its kernel."""
