@@ -308,6 +308,47 @@ def test_kernel_backend_launchers_on_cpu(monkeypatch):
         b.fwd(p)
 
 
+def test_attn_dist_on_ordered_slots_on_cpu(monkeypatch):
+    """CuteKernelBackend's attn_dist: with the slot order wanted (MLA_KERNELS_ATTN_DIST_ORDER=1)
+    no launcher; the kernel (a recording stand-in returning each slot's index) runs on the ordered
+    slots and the result comes back in the caller's slot order; ``to_given_order`` inverts the
+    permutation; ``auto`` does not order."""
+    from mla_kernels.common import kernel_backend, order_host
+
+    seen = []
+
+    class Stub(kernel_backend.CuteKernelBackend):
+        name = "stub"
+        attn_dist_sort_indices = True
+
+        def attn_dist_heads_per_cta(self, h_q):
+            return 64
+
+        def attn_dist_kernel(self, p, fused):
+            def fn(q, kv, idx, tl, lse, out, scale):
+                seen.append(idx)
+                out[0].copy_(idx.float())  # "attn_sum" = the kv row each slot names
+            return fn
+
+    c = make_case(3, 64, 576, 50, 64, dtype=torch.bfloat16, seed=1, invalid_frac=0.0, dup_frac=0.0, empty_rows=0)
+    p = mk.api.make_problem(c.q, c.kv, c.indices, c.sm_scale, 512)
+    lse = torch.zeros(3, 64)
+    b = Stub()
+    monkeypatch.setenv(order_host.ATTN_DIST_ORDER_ENV, "auto")
+    assert not order_host.attn_dist_order_wanted(p) and b.attn_dist_launcher(p, False) is not None
+    perm = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(r)) for r in range(3)]).int()
+    ordered = p.with_indices(p.indices.gather(1, perm.long()).contiguous())
+    monkeypatch.setattr(order_host, "attn_dist_order_wanted", lambda p: True)
+    monkeypatch.setattr(order_host, "kv_ordered", lambda p, want: (ordered, perm if want else None))
+    assert b.attn_dist_launcher(p, False) is None
+    res = b.attn_dist(p, lse, False)
+    assert seen[-1] is ordered.indices
+    assert torch.equal(res, p.indices.float())  # back in the caller's slot order
+    x = torch.arange(6.0).view(2, 3)
+    assert torch.equal(order_host.to_given_order(x, torch.tensor([[2, 0, 1], [0, 1, 2]], dtype=torch.int32)),
+                       torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]))
+
+
 def test_guard_and_recording_units(monkeypatch):
     monkeypatch.delenv("MLA_KERNELS_TEST_X", raising=False)
     with fastpath.recording() as outer:

@@ -207,3 +207,40 @@ def test_fwd_rotated_pair_order(h_q, d_qk, topk, monkeypatch):
                                                                               else 0)
         out, ml, lse = mk.sparse_mla_fwd(*args)
         assert_close_fwd(out, ml, lse, want, empty=empty)
+
+
+@skip_unless_sm90()
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [64, 128, 192])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_attn_dist_same_with_and_without_order(h_q, normalize, monkeypatch):
+    """``attn_dist`` on kv-ordered slots (``MLA_KERNELS_ATTN_DIST_ORDER=1``) comes back in the
+    caller's slot order: each slot's value does not depend on where its block sits, so without
+    normalisation it is bitwise the given order's (with it, the row total's rounding differs);
+    invalid / duplicate slots, topk_length with empty rows, tokens / heads / several head groups."""
+    import mla_kernels as mk
+    from mla_kernels import reference as ref
+    from mla_kernels.common import order_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_kv = 3000
+    case = make_case(150, h_q, 576, s_kv, 640, device="cuda", invalid_frac=0.1, dup_frac=0.1, topk_length=True)
+    _, _, lse = mk.sparse_mla_fwd(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)
+    args = (case.q, case.kv, case.indices, lse, case.sm_scale, case.topk_length, normalize)
+    p = mk.api.make_problem(case.q, case.kv, case.indices, case.sm_scale, 512, case.topk_length)
+    res = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(order_host.ATTN_DIST_ORDER_ENV, flag)
+        assert order_host.attn_dist_order_wanted(p) == (flag == "1")
+        res[flag] = mk.attn_dist(*args)
+    want = ref.attn_dist_ref(case.q.float(), case.kv.float(), case.indices, lse, case.sm_scale, case.topk_length,
+                             normalize)
+    valid = ref.valid_mask(case.indices, s_kv, case.topk_length)
+    assert (~valid.any(dim=-1)).any()
+    got = res["1"]
+    assert not torch.isnan(got).any() and (got[~valid] == 0).all()
+    assert rel_l2(got, want) <= 1e-3, f"rel L2 {rel_l2(got, want):.3g}"
+    if normalize:
+        torch.testing.assert_close(got, res["0"], rtol=1e-5, atol=1e-7)
+    else:
+        assert torch.equal(got, res["0"])

@@ -143,6 +143,8 @@ class CuteKernelBackend(Backend):
     #: The forward kernel's pair-order tick on kv-ordered slots (``rotate_shift``, 0: none;
     #: ``order_host.fwd_rotate_shift_for``); on where it was measured.
     fwd_rotate_shift = 0
+    #: Run ``attn_dist`` on kv-ordered slots where ``order_host.attn_dist_order_wanted`` says so.
+    attn_dist_sort_indices = False
 
     @property
     def import_spec(self) -> str:
@@ -228,9 +230,27 @@ class CuteKernelBackend(Backend):
         return launch
 
     def attn_dist(self, p: Problem, lse: torch.Tensor, normalize: bool):
-        return self.attn_dist_launcher(p, normalize)(p.q, p.kv, p.indices, p.topk_length, lse)
+        launch = self.attn_dist_launcher(p, normalize)
+        if launch is None:  # on kv-ordered slots, the result mapped back to the caller's slot order
+            from . import order_host
+
+            p, perm = order_host.kv_ordered(p, True)
+            res = self._attn_dist_launch(p, normalize)(p.q, p.kv, p.indices, p.topk_length, lse)
+            return order_host.to_given_order(res, perm)
+        return launch(p.q, p.kv, p.indices, p.topk_length, lse)
 
     def attn_dist_launcher(self, p: Problem, normalize: bool):
+        """None when ``attn_dist`` runs on kv-ordered slots (``order_host.attn_dist_order_wanted``:
+        an ordering kernel first, a scatter back after)."""
+        if self.attn_dist_sort_indices:
+            from . import order_host
+
+            if order_host.attn_dist_order_wanted(p):
+                return None
+        return self._attn_dist_launch(p, normalize)
+
+    def _attn_dist_launch(self, p: Problem, normalize: bool):
+        """The launch of ``attn_dist`` for ``p``'s static configuration and shapes."""
         n_groups = p.h_q // self.attn_dist_heads_per_cta(p.h_q)
         fused = normalize and n_groups == 1  # one CTA covers all heads of a token
         fn = self.attn_dist_kernel(p, fused)

@@ -50,6 +50,30 @@ def fwd_order_wanted(p: Problem) -> bool:
     return p.s_kv * p.d_qk * p.kv.element_size() > l2
 
 
+#: Environment switch of ``attn_dist``'s use of :func:`kv_ordered` (``auto``:
+#: :func:`attn_dist_order_wanted`'s rule, ``1``: always, ``0``: never).
+ATTN_DIST_ORDER_ENV = "MLA_KERNELS_ATTN_DIST_ORDER"
+
+
+def attn_dist_order_wanted(p: Problem) -> bool:
+    """Whether ``attn_dist`` should run on :func:`kv_ordered` slots (its result is mapped back to
+    the caller's slot order), per ``MLA_KERNELS_ATTN_DIST_ORDER``: ``1`` always; ``auto`` (the
+    default) and ``0`` never.  An opt-in because no rule fits both GPUs measured (docs/PERF.md,
+    back-to-back, s_q 4096, topk 2048, time against the given order): h_q 128 s_kv 32k / 64k / 128k
+    H100 1.13 / 1.08 / **0.84x**, H200 1.12 / 1.11 / 1.09x; h_q 64 s_kv 64k / 128k H100 **0.83** /
+    0.97x, H200 **0.87** / 0.97x (1.05x with the host work counted)."""
+    mode = fastpath.knob(ATTN_DIST_ORDER_ENV, "auto")
+    if mode == "0" or not p.indices.is_cuda or p.s_q == 0 or p.topk == 0:
+        return False
+    return mode == "1"
+
+
+def to_given_order(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x [s_q, topk]`` computed on :func:`kv_ordered` slots, back in the caller's slot order:
+    ``out[t, perm[t, j]] = x[t, j]`` (``perm`` is a permutation of each row's slots)."""
+    return torch.empty_like(x).scatter_(1, perm.long(), x)
+
+
 #: Environment switch of the forward's rotated pair order on kv-ordered slots (``1``: on; ``0``,
 #: the default: every CTA gathers its row's block pairs from the first).  See
 #: :func:`fwd_rotate_shift_for`.

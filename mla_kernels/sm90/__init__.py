@@ -196,6 +196,7 @@ class Sm90Backend(CuteKernelBackend):
     bwd_sort_indices = True  # H200, s_kv 32k: h_q 64 1.35x, h_q 128 1.01x (docs/PERF.md)
     bwd_rotate_shift = 13  # H200, h_q 128: s_kv 128k / 64k 1.08x / 1.06x, 8k / 32k ~1.01x (docs/PERF.md)
     fwd_sort_indices = True  # long kv ranges only (order_host.fwd_order_wanted; docs/PERF.md)
+    attn_dist_sort_indices = True  # opt-in, MLA_KERNELS_ATTN_DIST_ORDER=1 (order_host.attn_dist_order_wanted)
     fwd_rotate_shift = 12  # opt-in, on kv-ordered slots (order_host.fwd_rotate_shift_for; docs/PERF.md)
 
     def device_reason(self, major: int, minor: int) -> Optional[str]:
