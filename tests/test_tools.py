@@ -163,6 +163,18 @@ def test_bench_back_to_back_on_cpu(tmp_path, capsys):
         bench.main(["--quick", "--cpu", "--b2b", "-1"])
 
 
+def test_ab_bench_shape_names():
+    """ab_bench takes tools/bench.py's shapes and the V3.2 shape at any h_q / s_kv by name."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))  # ab_bench imports bench from its directory
+    try:
+        ab = load("ab_bench")
+    finally:
+        sys.path.pop(0)
+    assert ab.shape_by_name("v32-h128-kv32k") == ("v32-h128-kv32k", 4096, 128, 2048, 576, 512, 32768)
+    assert ab.shape_by_name("v32-h64-kv256k") == ("v32-h64-kv256k", 4096, 64, 2048, 576, 512, 262144)
+    assert ab.shape_by_name("v32-h64-kv") is None and ab.shape_by_name("quick-a") is None
+
+
 def test_ab_bench_variant_specs_and_knobs(monkeypatch):
     """ab_bench's NAME=DIR[@K=V;K=V] variants: the knobs are set around a variant's calls only."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))  # ab_bench imports bench from its directory

@@ -119,6 +119,19 @@ class _Knobs:
                 os.environ[k] = v
 
 
+def shape_by_name(name: str):
+    """A tools/bench.py shape ``(name, s_q, h_q, topk, d_qk, d_v, s_kv)`` by name, or the V3.2
+    shape (s_q 4096, topk 2048, d_qk 576, d_v 512) at any h_q and s_kv as ``v32-h<H>-kv<N>k``
+    (e.g. ``v32-h64-kv128k``); None if neither."""
+    for s in bench.HEADLINE:
+        if s[0] == name:
+            return s
+    m = re.fullmatch(r"v32-h(\d+)-kv(\d+)k", name)
+    if m:
+        return (name, 4096, int(m.group(1)), 2048, 576, 512, int(m.group(2)) * 1024)
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[@K=V;...]",
@@ -152,12 +165,10 @@ def main(argv=None) -> int:
     print(f"GPU: {torch.cuda.get_device_name(dev)}; variants: {', '.join(n for n, _ in variants)}")
     rows = []
     for sname in args.shapes.split(","):
-        m = re.fullmatch(r"v32-h(\d+)-kv(\d+)k", sname)
-        if sname not in shapes and m:  # the V3.2 shape at any h_q and s_kv (e.g. v32-h64-kv128k)
-            shapes[sname] = (sname, 4096, int(m.group(1)), 2048, 576, 512, int(m.group(2)) * 1024)
-        if sname not in shapes:
+        shape = shape_by_name(sname)
+        if shape is None:
             ap.error(f"unknown shape {sname!r}; choose from {', '.join(shapes)} or v32-h<H>-kv<N>k")
-        _, s_q, h_q, topk, d_qk, d_v, s_kv = shapes[sname]
+        _, s_q, h_q, topk, d_qk, d_v, s_kv = shape
         sets = bench.make_sets(args.sets, s_q, h_q, topk, d_qk, d_v, s_kv, dev, torch.bfloat16)
         sm_scale = 1.0 / math.sqrt(d_qk)
         mk0 = variants[0][1]
