@@ -336,6 +336,12 @@ def test_attn_dist_on_ordered_slots_on_cpu(monkeypatch):
     b = Stub()
     monkeypatch.setenv(order_host.ATTN_DIST_ORDER_ENV, "auto")
     assert not order_host.attn_dist_order_wanted(p) and b.attn_dist_launcher(p, False) is not None
+    for env in (order_host.ATTN_DIST_ORDER_ENV, order_host.FWD_ORDER_ENV):  # a bad value names the knob
+        monkeypatch.setenv(env, "yes")
+        with pytest.raises(ValueError, match=env):
+            (order_host.attn_dist_order_wanted if env == order_host.ATTN_DIST_ORDER_ENV
+             else order_host.fwd_order_wanted)(p)
+        monkeypatch.setenv(env, "auto")
     perm = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(r)) for r in range(3)]).int()
     ordered = p.with_indices(p.indices.gather(1, perm.long()).contiguous())
     monkeypatch.setattr(order_host, "attn_dist_order_wanted", lambda p: True)

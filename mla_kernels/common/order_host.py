@@ -24,6 +24,8 @@ def sort_enabled() -> bool:
 #: Environment switch of the forward's use of :func:`kv_ordered` (``auto``: :func:`fwd_order_wanted`'s
 #: rule, ``1``: always, ``0``: never).
 FWD_ORDER_ENV = "MLA_KERNELS_FWD_ORDER"
+#: The values of the order knobs (anything else is a ValueError naming the knob).
+ORDER_MODES = ("auto", "0", "1")
 _L2_BYTES: dict = {}
 
 
@@ -36,7 +38,7 @@ def fwd_order_wanted(p: Problem) -> bool:
     misses; earlier H200 runs read 0.98 / 0.94 / 0.94x); at h_q 128 (two CTAs per token read the
     same rows) 0.99-1.01x, so not used there; with the kv rows in L2 the order gains nothing and
     costs its kernel."""
-    mode = fastpath.knob(FWD_ORDER_ENV, "auto")
+    mode = fastpath.knob_choice(FWD_ORDER_ENV, ORDER_MODES, "auto")
     if mode == "0" or not p.indices.is_cuda or p.s_q == 0 or p.topk == 0:
         return False
     if mode == "1":
@@ -62,7 +64,7 @@ def attn_dist_order_wanted(p: Problem) -> bool:
     back-to-back, s_q 4096, topk 2048, time against the given order): h_q 128 s_kv 32k / 64k / 128k
     H100 1.13 / 1.08 / **0.84x**, H200 1.12 / 1.11 / 1.09x; h_q 64 s_kv 64k / 128k H100 **0.83** /
     0.97x, H200 **0.87** / 0.97x (1.05x with the host work counted)."""
-    mode = fastpath.knob(ATTN_DIST_ORDER_ENV, "auto")
+    mode = fastpath.knob_choice(ATTN_DIST_ORDER_ENV, ORDER_MODES, "auto")
     if mode == "0" or not p.indices.is_cuda or p.s_q == 0 or p.topk == 0:
         return False
     return mode == "1"
