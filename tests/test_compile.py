@@ -192,44 +192,44 @@ def test_compile_cache_and_arch_helpers():
     assert f1 == f2 == "compiled" and calls == [1]
 
 
+def _bwd_d576_h128_build(name: str, stas: int):
+    """The compile record ``name`` of a d576/h128 backward build: no spills and the kernel's
+    products, atomics and ``stas`` st.async stores (skips when nvdisasm is missing)."""
+    from conftest import compile_records
+
+    r = compile_records("sm_90a", {name})[name]
+    assert r["spill_bytes"] == 0
+    if r["sass"] is None:
+        pytest.skip("nvdisasm not installed: SASS not inspected")
+    counts = r["sass"]
+    assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
+    assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == stas
+    return r
+
+
 def test_sm90_backward_trace_build():
     """The backward's timing-trace build (``trace=True``, tools/trace_bwd.py) compiles to the same
     products, exchange and atomics as the kernel, plus predicated stores of the cycle counter and
     no spills; it takes the attn_sum argument as its buffer, so it refuses attn_sum."""
-    from conftest import compile_records
     from mla_kernels.sm90.bwd import SparseMlaBwdSm90
 
     with pytest.raises(ValueError, match="trace"):
         SparseMlaBwdSm90(576, attn_sum=True, trace=True)
     with pytest.raises(ValueError, match="trace"):
         SparseMlaBwdSm90(576, deterministic=True, trace=True)
-    r = compile_records("sm_90a", {"sm90_bwd_d576_h128_trace"})["sm90_bwd_d576_h128_trace"]
-    assert r["spill_bytes"] == 0
-    if r["sass"] is None:
-        pytest.skip("nvdisasm not installed: SASS not inspected")
-    counts = r["sass"]
-    assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
-    assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == 18
-    assert r["special_regs"].get("SR_CLOCKLO", 0) >= 40 and counts.get("STG.E", 0) >= 40
+    r = _bwd_d576_h128_build("sm90_bwd_d576_h128_trace", stas=18)
+    assert r["special_regs"].get("SR_CLOCKLO", 0) >= 40 and r["sass"].get("STG.E", 0) >= 40
 
 
 def test_sm90_backward_rotated_block_order_build():
     """The rotated block order (``rotate_shift``, the sm90 default on band-ordered slots) reads
     the global timer once per CTA (pair) and otherwise compiles to the kernel's products, exchange and
     atomics, with no spills; deterministic mode refuses it (dq's block order must be fixed)."""
-    from conftest import compile_records
     from mla_kernels.sm90.bwd import SparseMlaBwdSm90
 
     with pytest.raises(ValueError, match="deterministic"):
         SparseMlaBwdSm90(576, deterministic=True, rotate_shift=13)
     with pytest.raises(ValueError, match="rotate_shift"):
         SparseMlaBwdSm90(576, rotate_shift=41)
-    r = compile_records("sm_90a", {"sm90_bwd_d576_h128_rot"})["sm90_bwd_d576_h128_rot"]
-    assert r["spill_bytes"] == 0
-    if r["sass"] is None:
-        pytest.skip("nvdisasm not installed: SASS not inspected")
-    counts = r["sass"]
-    assert counts.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and counts.get("HGMMA.64x256x16.F32.BF16", 0) == 8
-    # (one more st.async: CTA rank 0 sends its tick to rank 1)
-    assert counts.get("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU", 0) == 36 and counts.get("STAS.128", 0) == 19
+    r = _bwd_d576_h128_build("sm90_bwd_d576_h128_rot", stas=19)  # (+1 st.async: rank 0 sends its tick)
     assert r["special_regs"].get("SR_GLOBALTIMERLO", 0) == 1

@@ -86,10 +86,7 @@ def rotate_shift_for(backend_shift: int, ordered: bool, deterministic: bool) -> 
     there) and ``MLA_KERNELS_BWD_ROTATE`` is not ``0``; else 0 (blocks in row order)."""
     if not backend_shift or not ordered or deterministic:
         return 0
-    v = fastpath.knob(ROTATE_ENV, "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{ROTATE_ENV}={v!r}: expected 0 or 1")
-    return backend_shift if v == "1" else 0
+    return backend_shift if fastpath.knob_choice(ROTATE_ENV, ("0", "1"), "1") == "1" else 0
 
 
 def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, deterministic: bool,

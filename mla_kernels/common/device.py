@@ -636,6 +636,14 @@ def globaltimer_ticks(shift: int, *, loc=None, ip=None) -> Int32:
         "=r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+def wrap_index(i, start, n):
+    """``(i + start) mod n`` for ``0 <= i, start < n``: step ``i`` of a walk over ``n`` items that
+    starts at item ``start`` and wraps around (the rotated block orders of the forward and the
+    backward)."""
+    x = i + start
+    return cutlass.select_(x >= n, x - n, x)
+
+
 class Trace:
     """Cycle stamps of one thread into a global ``[.., slots]`` int32 row (timing traces of a
     kernel's phases; ``enabled=False`` makes every call emit nothing).

@@ -112,7 +112,7 @@ class KvBandOrder:
 
     @cute.jit
     def _load_run(self, mIdx, row, first, per_warp, r, lane, limit, topk, s_kv, shift):
-        """Run ``r`` of this lane's slots (``RUN`` of them, 32 apart), loaded back to back:
+        """Run ``r`` of this lane's slots (``self.run`` of them, 32 apart), loaded back to back:
         ``(present, band, entry)`` per slot, ``present`` 0 past topk or the warp's run."""
         pres = cute.make_rmem_tensor((self.run,), Int32)
         bands = cute.make_rmem_tensor((self.run,), Int32)

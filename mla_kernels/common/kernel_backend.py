@@ -212,7 +212,7 @@ class CuteKernelBackend(Backend):
     def _fwd_launch(self, p: Problem, rotate_shift: int = 0):
         """The launch of the forward for ``p``'s static configuration and shapes (``rotate_shift``:
         the pair-order tick, on kv-ordered slots only)."""
-        fn = self.fwd_kernel(p, rotate_shift) if rotate_shift else self.fwd_kernel(p)
+        fn = self.fwd_kernel(p, rotate_shift)
         out_shape, row_shape, device = (p.s_q, p.h_q, p.d_v), (p.s_q, p.h_q), p.device
         tl0 = host.dummy(torch.int32, device)
         sink0 = host.dummy(torch.float32, device)

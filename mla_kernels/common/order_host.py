@@ -93,10 +93,7 @@ def fwd_rotate_shift_for(backend_shift: int) -> int:
     wave, through the same pairs -- and it makes ``out`` / ``lse`` vary in rounding run to run."""
     if not backend_shift:
         return 0
-    v = fastpath.knob(FWD_ROTATE_ENV, "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{FWD_ROTATE_ENV}={v!r}: expected 0 or 1")
-    return backend_shift if v == "1" else 0
+    return backend_shift if fastpath.knob_choice(FWD_ROTATE_ENV, ("0", "1"), "0") == "1" else 0
 
 
 def kv_ordered(p: Problem, want_perm: bool):

@@ -158,7 +158,8 @@ class Sm100Backend(CuteKernelBackend):
             return key + (bwd_two_cta(p.h_q),)
         return key
 
-    def fwd_kernel(self, p: Problem):
+    def fwd_kernel(self, p: Problem, rotate_shift: int = 0):
+        assert not rotate_shift, "sm100 has no rotated pair order (fwd_rotate_shift = 0)"
         arch = _compile.arch_for_device(p.device)
         has_tl, has_sink = p.topk_length is not None, p.attn_sink is not None
         two_cta = fwd_two_cta(p.h_q)

@@ -770,8 +770,7 @@ class SparseMlaBwdSm90:
         wrapping around; else ``b``)."""
         blk = b
         if const_expr(self.rotate_shift > 0):
-            blk = b + start
-            blk = cutlass.select_(blk >= num_blocks, blk - num_blocks, blk)
+            blk = dev.wrap_index(b, start, num_blocks)
         return blk
 
     def _mma(self, a_major, b_major, n: int):

@@ -341,7 +341,7 @@ class SparseMlaFwdSm90:
                 gather.fetch_raw(raw, 2 * start + 1, 1)
                 raw[2 * rpt] = gather.fetch_slot(gather.vote_slot(2 * start + vblk))
             dd.for_pairs(num_iters, self.ring_alt, lambda it, parity, odd, next_odd: self._producer_pair(
-                gather, raw, it, self._pair_at(it, start, num_iters), self._pair_at(it + 1, start, num_iters),
+                gather, raw, it, dev.wrap_index(it, start, num_iters), dev.wrap_index(it + 1, start, num_iters),
                 parity, odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid, warp_in_wg))
         else:
             if num_iters > 0:
@@ -351,13 +351,6 @@ class SparseMlaFwdSm90:
             dd.for_pairs(num_iters, self.ring_alt, lambda it, parity, odd, next_odd: self._producer_pair(
                 gather, raw, it, it, it, parity, odd, sK0_addr, sK1_addr, sValid, k0l, k0r, k1l, k1r, bar_valid, ptid,
                 warp_in_wg))
-
-    @cute.jit
-    def _pair_at(self, it: Int32, start: Int32, num_iters: Int32) -> Int32:
-        """``rotate_shift``: the row's block pair that step ``it`` of the loop gathers (from
-        ``start``, wrapping around)."""
-        pa = it + start
-        return cutlass.select_(pa >= num_iters, pa - num_iters, pa)
 
     @cute.jit
     def _producer_pair(self, gather, raw, it: Int32, pa: Int32, pn: Int32, parity, odd: cutlass.Constexpr,
