@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Scatter-add microbenchmark: the sparse backward's dKV traffic pattern in isolation (GPU only).
 
-  python tools/atomic_bench.py [--s-kv 8192,32768] [--d 576] [--updates 4194304]
+  python tools/atomic_bench.py [--s-kv 8192,32768] [--d 576] [--updates 4194304] [--ctas-per-sm 1,2,8]
 
 ``--updates`` random rows (uniform over ``s_kv``) of a float32 ``[s_kv, d]`` workspace each get one
 ``d``-float row added, by three mechanisms, with the values generated in registers/smem (no source
@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=1 << 22, help="row updates per timed launch")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ctas-per-sm", default="8",
+                    help="comma-separated grid sizes in CTAs (of 128 threads) per SM: how many warps issue at once; "
+                         "a fraction < 1 leaves SMs idle (0.5: one CTA on half of the SMs)")
     args = ap.parse_args(argv)
     import torch
 
@@ -129,10 +132,10 @@ def main(argv=None) -> int:
         fn = _compile.compile_kernel(
             k, host.fake(Float32, (cute.sym_int(), args.d)), host.fake(Int32, (cute.sym_int(),), align=4),
             Int32(1), host.fake_stream(), arch=arch)
-        for s_kv in (int(x) for x in args.s_kv.split(",")):
+        for s_kv, per_sm in ((int(x), float(c)) for x in args.s_kv.split(",") for c in args.ctas_per_sm.split(",")):
             ws = torch.zeros(s_kv, args.d, device="cuda")
             idx = torch.randint(0, s_kv, (args.updates,), device="cuda", dtype=torch.int32)
-            n_ctas = sm * 8
+            n_ctas = max(1, int(sm * per_sm))
             fn(ws, idx, n_ctas)
             torch.cuda.synchronize()
             ws.zero_()
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
             ok = torch.allclose(ws[:, 0], cnt, rtol=1e-4) and torch.allclose(ws[:, -1], cnt, rtol=1e-4)
             ms = statistics.median(times)
             gbs = args.updates * args.d * 4 / ms / 1e6
-            print(f"{mode:<9} s_kv {s_kv:>6} (workspace {s_kv * args.d * 4 / 2**20:6.1f} MiB): "
+            print(f"{mode:<9} s_kv {s_kv:>6} (workspace {s_kv * args.d * 4 / 2**20:6.1f} MiB), {n_ctas} CTAs: "
                   f"{ms:7.3f} ms  {gbs:7.1f} GB/s  check {'ok' if ok else 'WRONG'}", flush=True)
     return 0
 
