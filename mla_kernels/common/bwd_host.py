@@ -37,8 +37,8 @@ from typing import Optional
 import torch
 
 from .. import _compile
-from . import fastpath, host
-from .order_host import kv_ordered, sort_enabled
+from . import host
+from .order_host import kv_ordered, rotate_shift_knob, sort_enabled
 from .problem import Problem
 from ..reference import effective_lse, valid_mask
 
@@ -84,9 +84,9 @@ def rotate_shift_for(backend_shift: int, ordered: bool, deterministic: bool) -> 
     """The kernel's ``rotate_shift`` for one call: the backend's (sm90: 13, a 2^13 ns tick) when
     the slots are band-ordered, the mode is not deterministic (dq's block order must be fixed
     there) and ``MLA_KERNELS_BWD_ROTATE`` is not ``0``; else 0 (blocks in row order)."""
-    if not backend_shift or not ordered or deterministic:
+    if not ordered or deterministic:
         return 0
-    return backend_shift if fastpath.knob_choice(ROTATE_ENV, ("0", "1"), "1") == "1" else 0
+    return rotate_shift_knob(backend_shift, ROTATE_ENV, "1")
 
 
 def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, deterministic: bool,

@@ -91,9 +91,16 @@ def fwd_rotate_shift_for(backend_shift: int) -> int:
     slots (docs/PERF.md, h_q 64, s_kv 64k / 128k / 256k, back-to-back) 0.96 / 0.96 / 0.99x the time
     on an H200 but 0.98 / 1.02 / 1.03x on an H100 -- where equal CTAs already run in step, wave after
     wave, through the same pairs -- and it makes ``out`` / ``lse`` vary in rounding run to run."""
+    return rotate_shift_knob(backend_shift, FWD_ROTATE_ENV, "0")
+
+
+def rotate_shift_knob(backend_shift: int, env: str, default: str) -> int:
+    """``backend_shift`` (a rotated order's tick, 0: the backend has none) when the knob ``env``
+    (``0`` / ``1``, ``default`` when unset) is ``1``, else 0: the forward's and the backward's
+    rotation switches."""
     if not backend_shift:
         return 0
-    return backend_shift if fastpath.knob_choice(FWD_ROTATE_ENV, ("0", "1"), "0") == "1" else 0
+    return backend_shift if fastpath.knob_choice(env, ("0", "1"), default) == "1" else 0
 
 
 def kv_ordered(p: Problem, want_perm: bool):
