@@ -21,6 +21,20 @@ pytestmark = pytest.mark.compile
 SMEM_LIMIT = 232448
 
 
+def bwd_spill_allowance(name: str) -> tuple:
+    """``(spill bytes, local loads)`` a backward build may show: none, except the d576 / h_q 128
+    atomic builds under the CUDA 13 ptxas (the GPU build), whose WG0 receives one chunk late in the
+    send-first order (``sm90/bwd.py``, ``send_first``; 0.96-0.99x the time, docs/PERF.md): ptxas
+    keeps two loop-invariant integers in local memory there -- 8 bytes stored once, at most one
+    4-byte reload per block (8-40 bytes counted; the timing-trace build, with its clock
+    registers, 76).  CUDA 12 builds WG0 at lag 0, without spills."""
+    import cutlass
+
+    if cutlass.CUDA_VERSION.major >= 13 and "_d576_h128" in name and "_det" not in name:
+        return (96, 24) if "_trace" in name else (48, 8)
+    return 0, 0
+
+
 @pytest.fixture(scope="module")
 def sm90_report():
     # shared with tests/test_barrier_rule.py (one compile per kernel per session)
@@ -145,7 +159,8 @@ def test_sm90_attn_dist_tokens_persistent_q_ring_compiles(sm90_report):
 @pytest.mark.parametrize("name", ["sm90_bwd_d576_h128", "sm90_bwd_d576_h128_det", "sm90_bwd_d512_h64"])
 def test_sm90_backward_compiles_with_hgmma_and_no_spills(sm90_report, name):
     r = sm90_report[name]
-    assert r["spill_bytes"] == 0 and 0 < r["smem_bytes"] <= SMEM_LIMIT
+    spill, ldl = bwd_spill_allowance(name)
+    assert r["spill_bytes"] <= spill and 0 < r["smem_bytes"] <= SMEM_LIMIT
     if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
     sass, base = r["sass"], r["sass_base"]
@@ -154,7 +169,7 @@ def test_sm90_backward_compiles_with_hgmma_and_no_spills(sm90_report, name):
         # all four products on wgmma: S 36 + dP 32 + dQ (4 x 64x256 per WG + 4 RoPE) + dKV 68 per block
         assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 140 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 8
     assert base.get("LDGSTS", 0) > 0 and base.get("UTMALDG", 0) > 0 and base.get("UTMASTG", 0) > 0
-    assert base.get("LDL", 0) == 0 and base.get("STL", 0) == 0
+    assert base.get("LDL", 0) <= ldl and base.get("STL", 0) <= ldl // 4
     n_chunks = 9 if name.startswith("sm90_bwd_d576") else 8
     # h_q 128: the head-block pair sums each chunk through DSMEM (2 x 16-byte st.async of the
     # peer's half in bf16 per chunk) and scatters 32 of its 64 columns:
@@ -198,7 +213,7 @@ def _bwd_d576_h128_build(name: str, stas: int):
     from conftest import compile_records
 
     r = compile_records("sm_90a", {name})[name]
-    assert r["spill_bytes"] == 0
+    assert r["spill_bytes"] <= bwd_spill_allowance(name)[0]
     if r["sass"] is None:
         pytest.skip("nvdisasm not installed: SASS not inspected")
     counts = r["sass"]

@@ -206,12 +206,20 @@ class SparseMlaBwdSm90:
         # How many chunks later a WG receives, adds and scatters chunk c (the products of the
         # chunks in between run meanwhile; 16 live registers per chunk in flight).  0: chunk by
         # chunk.  Measured (H200, interleaved): WG1 at lag 1 is 17% faster than neither WG
-        # pipelined; WG1 at lag 2 (d576: three slots) another 3-4%; WG0 at lag 1 too was 1-3%
-        # faster but spills (WG0 also holds the RoPE dQ accumulator), so WG0 stays at 0.
+        # pipelined; WG1 at lag 2 (d576: three slots) another 3-4%; WG0 (which also holds the
+        # RoPE dQ accumulator) at lag 1 only in the send-first order below.
         # (Lag 2 needs 16 more live registers in WG1: the CUDA 13 ptxas -- the GPU build -- fits
-        # them in 232 without spilling, the CUDA 12 one spills 84 B, so it gets lag 1.)
+        # them in 232 without spilling, the CUDA 12 one spills 84 B, so it gets lag 1 and WG0 0.)
         deep = self.n_slots == 3 and cutlass.CUDA_VERSION.major >= 13
-        self.ex_lag = (0, 2 if deep else 1)
+        self.ex_lag = (1, 2) if deep else (0, 1)
+        # Per warpgroup: with a lag, send chunk c's peer half *before* receiving and scattering
+        # chunk c - lag (the default order sends it after), so that the receive waits on a send
+        # that is a whole chunk old while chunk c's own half waits in the accumulator.  WG0 at
+        # lag 1 in the default order measured 0.99x (its receive right after the send waited
+        # ~750 cycles, the DSMEM latency, on the chain); in this order WG0 is 0.96 / 0.97 / 0.98-0.99x
+        # the time at s_kv 8k / 32k / 128k (H200, docs/PERF.md).  WG1 in this order: 1.02-1.03x, so
+        # it keeps the default (its products overlap its scatters at lag 2).
+        self.send_first = (True, False) if deep else (False, False)
         # every slot is used at least once per block (the flow control frees each once per block)
         assert max(self.ex_lag) < self.n_slots <= min(len(c) for c in self.dkv_chunks)
         assert 2 * self.regs_consumer + self.regs_producer <= 504
@@ -849,15 +857,20 @@ class SparseMlaBwdSm90:
                     tr.stamp(b, 10 + 3 * c, rec)
         else:
             pending = []  # kept halves of the chunks in flight, oldest first
+            first = self.send_first[wg]
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
-                if const_expr(c >= lag):
+                if const_expr(c >= lag and not first):
                     summed = ex.receive(pending[0], b * n + (c - lag), c - lag, n, wg, tr, b, ev_recv[c - lag], rec)
                     pending = pending[1:]
                     scatter.half(summed, chunks[c - lag], b, ex.rank)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ex.send(acc_kv, b * n + c, wg)
                 tr.stamp(b, ev_send[c], rec)
+                if const_expr(c >= lag and first):
+                    summed = ex.receive(pending[0], b * n + (c - lag), c - lag, n, wg, tr, b, ev_recv[c - lag], rec)
+                    pending = pending[1:]
+                    scatter.half(summed, chunks[c - lag], b, ex.rank)
                 pending = pending + [ex.kept(acc_kv)]
             for j in cutlass.range_constexpr(len(pending)):
                 c = n - len(pending) + j
