@@ -828,7 +828,9 @@ class SparseMlaBwdSm90:
         CTA's half waits in registers; the peer's half of chunk c is received, added and scattered
         ``lag`` chunks later, while the products of chunks c+1 .. c+lag run on the tensor cores
         (``lag`` 0: right away).  Each CTA thus scatters 32 of every 64 columns with both head
-        blocks summed.
+        blocks summed.  With ``send_first[wg]`` (WG0 on the d576 pair path) chunk c - lag is
+        received and scattered after chunk c's products and send instead: its peer half was sent
+        a whole chunk earlier, so the receive does not wait out the DSMEM round trip.
 
         (A second accumulator that kept chunk c+1's products in flight while chunk c is scattered
         measured 0.994-0.996x of the unpaired loop -- no gain -- and was dropped.)"""
