@@ -840,6 +840,12 @@ class SparseMlaBwdSm90:
         # (WG0) its scatter issued
         ev_send = [8 + 3 * c if wg == 0 else 8 + c for c in range(n)]
         ev_recv = [9 + 3 * c if wg == 0 else 13 + c for c in range(n)]
+
+        def finish(kept, c):
+            """Receive the peer's half of chunk c, add it to ``kept`` and scatter the sums."""
+            summed = ex.receive(kept, b * n + c, c, n, wg, tr, b, ev_recv[c], rec)
+            scatter.half(summed, chunks[c], b, ex.rank)
+
         if const_expr(not exchange):
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
@@ -853,8 +859,7 @@ class SparseMlaBwdSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 ex.send(acc_kv, b * n + c, wg)
                 tr.stamp(b, ev_send[c], rec)
-                kept = ex.receive(ex.kept(acc_kv), b * n + c, c, n, wg, tr, b, ev_recv[c], rec)
-                scatter.half(kept, chunks[c], b, ex.rank)
+                finish(ex.kept(acc_kv), c)
                 if const_expr(wg == 0):
                     tr.stamp(b, 10 + 3 * c, rec)
         else:
@@ -863,21 +868,17 @@ class SparseMlaBwdSm90:
             for c in cutlass.range_constexpr(n):
                 self._dkv_issue(chunks[c], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt)
                 if const_expr(c >= lag and not first):
-                    summed = ex.receive(pending[0], b * n + (c - lag), c - lag, n, wg, tr, b, ev_recv[c - lag], rec)
+                    finish(pending[0], c - lag)
                     pending = pending[1:]
-                    scatter.half(summed, chunks[c - lag], b, ex.rank)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ex.send(acc_kv, b * n + c, wg)
                 tr.stamp(b, ev_send[c], rec)
                 if const_expr(c >= lag and first):
-                    summed = ex.receive(pending[0], b * n + (c - lag), c - lag, n, wg, tr, b, ev_recv[c - lag], rec)
+                    finish(pending[0], c - lag)
                     pending = pending[1:]
-                    scatter.half(summed, chunks[c - lag], b, ex.rank)
                 pending = pending + [ex.kept(acc_kv)]
             for j in cutlass.range_constexpr(len(pending)):
-                c = n - len(pending) + j
-                summed = ex.receive(pending[j], b * n + c, c, n, wg, tr, b, ev_recv[c], rec)
-                scatter.half(summed, chunks[c], b, ex.rank)
+                finish(pending[j], n - len(pending) + j)
 
     @cute.jit
     def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg):
