@@ -204,9 +204,12 @@ def indexer_topk(
     ``indices.view(s_q, 1, topk)`` and ``topk_length`` feed :func:`mla_kernels.sparse_mla`
     directly.
 
-    On sm90 the scores are computed by blocks of query rows into a bounded float32 workspace
-    (``mla_kernels.sm90.indexer_host.WORKSPACE_BYTES``, 512 MiB by default) and each row's exact
-    top-k is selected there; the reference works by chunks of rows likewise.
+    On sm90 the scores are computed by blocks of query rows into bounded float32 workspaces
+    (``mla_kernels.sm90.indexer_host.WORKSPACE_BYTES`` in total, 512 MiB by default) and each row's
+    exact top-k is selected there; the blocks run on two CUDA streams (the caller's current one
+    and a side stream forked from it and joined back before the call returns, so the call is
+    ordered on the current stream as usual and can be captured in a CUDA graph).  The reference
+    works by chunks of rows likewise.
     """
     if tracing():
         topk, return_logits = _check_topk_args(topk, return_logits)

@@ -292,6 +292,25 @@ def test_topk_workspace_rows():
         assert rows * s_kv * 4 <= indexer_host.WORKSPACE_BYTES or rows == 32
         assert rows <= -(-s_q // 32) * 32
     assert indexer_host.block_rows(32768, 32768) == 4096
+    # two streams: two workspaces within the same budget
+    for s_q, s_kv in ((32768, 32768), (65536, 65536), (100, 5)):
+        rows = indexer_host.block_rows(s_q, s_kv, 2)
+        assert rows % 32 == 0 and (2 * rows * s_kv * 4 <= indexer_host.WORKSPACE_BYTES or rows == 32)
+    assert indexer_host.block_rows(32768, 32768, 2) == 2048
+
+
+def test_topk_streams_setting(monkeypatch):
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.delenv(indexer_host.ENV_TOPK_STREAMS, raising=False)
+    assert indexer_host.topk_streams() == indexer_host.TOPK_STREAMS_DEFAULT == 2
+    for v in ("1", "2", " 1 "):
+        monkeypatch.setenv(indexer_host.ENV_TOPK_STREAMS, v)
+        assert indexer_host.topk_streams() == int(v)
+    for v in ("0", "3", "two"):
+        monkeypatch.setenv(indexer_host.ENV_TOPK_STREAMS, v)
+        with pytest.raises(ValueError, match="MLA_KERNELS_INDEXER_TOPK_STREAMS"):
+            indexer_host.topk_streams()
 
 
 def test_fixed_point_scale_bounds_every_partial_sum():

@@ -499,6 +499,63 @@ def test_topk_blocks_and_poison(monkeypatch):
     assert torch.isneginf(one[2][one[0] < 0]).all()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_topk_two_streams_match_one_and_capture(fp8, monkeypatch):
+    """Row blocks spread over two streams (MLA_KERNELS_INDEXER_TOPK_STREAMS=2, each stream its own
+    half-budget workspace) give the bits of one stream, with key ranges and an empty row; a
+    CUDA-graph capture of the two-stream call replays correctly with new inputs."""
+    from mla_kernels.sm90 import indexer_host
+
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    s_q, s_kv, topk = 1000, 2500, 128
+    monkeypatch.setattr(indexer_host, "WORKSPACE_BYTES", 200 * s_kv * 4)
+    assert indexer_host.block_rows(s_q, s_kv, 2) == 96
+    kw = {}
+    sets = []
+    for seed in (21, 22):
+        q, k, w, qs, ksc = rand_inputs(s_q, 64, 128, s_kv, seed=seed, fp8=fp8)
+        kst, ken = ranges(s_q, s_kv, "ranges", seed=seed)
+        sets.append((q, k, w, dict(sm_scale=0.5, k_start=kst, k_end=ken, q_scale=qs, k_scale=ksc,
+                                   return_logits=True)))
+    want = []
+    for q, k, w, kw in sets:
+        monkeypatch.setenv(indexer_host.ENV_TOPK_STREAMS, "1")
+        one = mk.indexer_topk(q, k, w, topk, **kw)
+        monkeypatch.setenv(indexer_host.ENV_TOPK_STREAMS, "2")
+        two = mk.indexer_topk(q, k, w, topk, **kw)
+        torch.cuda.synchronize()
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+        assert (one[0] != -12345).all() and not torch.isnan(one[2][one[0] >= 0]).any()
+        want.append(one)
+    # capture with the first set's tensors, replay on the second set copied into them
+    q, k, w, kw = sets[0]
+    static = [q.clone(), k.clone(), w.clone()]
+    kw = dict(kw)
+    for name in ("k_start", "k_end", "q_scale", "k_scale"):
+        if kw[name] is not None:
+            kw[name] = kw[name].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        mk.indexer_topk(*static, topk, **kw)  # warm-up (compiles) off the default stream
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = mk.indexer_topk(*static, topk, **kw)
+    q2, k2, w2, kw2 = sets[1]
+    for dst, src in zip(static, (q2, k2, w2)):
+        dst.copy_(src)
+    for name in ("k_start", "k_end", "q_scale", "k_scale"):
+        if kw[name] is not None:
+            kw[name].copy_(kw2[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(g_out, want[1]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mode", ["plain", "pad"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_topk_fused_histogram_matches_the_row_pass(fp8, mode, monkeypatch):

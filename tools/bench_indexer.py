@@ -45,6 +45,7 @@ ENV_TOPK_CASES = {
     "hist_modes": ("MLA_KERNELS_INDEXER_TOPK_HIST", [(m, f"_hist{m}") for m in ("0", "plain", "pad")]),
     "topk_nosmem": ("MLA_KERNELS_INDEXER_TOPK_SMEM", [("0", "_nosmem")]),
     "topk_base": ("MLA_KERNELS_INDEXER_TOPK_VARIANT", [("base", "_vbase")]),
+    "topk_1stream": ("MLA_KERNELS_INDEXER_TOPK_STREAMS", [("1", "_1stream")]),
 }
 
 
@@ -77,7 +78,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "head sum); score_profile also times _pp and _bf16x2sum copies; topk_nosmem (both top-k rows "
                          "with MLA_KERNELS_INDEXER_TOPK_SMEM=0: no select variant with rows in shared memory), topk_base "
                          "(both top-k rows with MLA_KERNELS_INDEXER_TOPK_VARIANT=base: the select kernel before its "
-                         "variants, every block), loss_fwd_variants (the loss forward and forward + backward with each "
+                         "variants, every block), topk_1stream (both top-k rows with MLA_KERNELS_INDEXER_TOPK_STREAMS=1: every "
+                         "row block on the caller's stream through one workspace, as before the two-stream default), "
+                         "loss_fwd_variants (the loss forward and forward + backward with each "
                          "MLA_KERNELS_INDEXER_LOSS_FWD variant, rows *_fwd<variant>, two interleaved rounds))")
     ap.add_argument("--peer-tar", default="",
                     help="cuDNN-frontend tarball (e.g. cudnn-frontend-1.32.0-slim.tar.xz): "
@@ -155,7 +158,9 @@ def _topk_parts(out, S, TOPK, sets, args, scale, fl_scores):
     ``indexer_host.topk_variant``), ``_hist<mode>`` (the fused first histogram), ``_v<name>``
     (every block with select variant ``name`` of ``indexer_host.TOPK_VARIANTS``; ``_vbase`` is
     the version before the variants), and per row block (``_blk<i>_<name>``) that block's select
-    alone with each variant; a warning if any path chose other keys than the default."""
+    alone with each variant; a warning if any path chose other keys than the default.  The blocks
+    are the one-stream ones (one workspace of ``WORKSPACE_BYTES``), each kernel on the current
+    stream."""
     from mla_kernels.api_indexer import make_indexer_problem
     from mla_kernels.common import host
     from mla_kernels.sm90 import indexer_host as ih

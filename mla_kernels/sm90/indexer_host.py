@@ -1,11 +1,12 @@
 """Host side of the sm90 indexer kernels: which calls they serve, input preparation, workspaces,
 launches.
 
-* ``indexer_topk``: the query rows are processed in blocks of ``rows`` through one float32
-  workspace ``[rows, s_kv]`` of at most :data:`WORKSPACE_BYTES` (512 MiB: 4096 rows at
-  s_kv 32k, 2048 at 64k, 1024 at 128k): the score kernel (``indexer_score.py``) fills the
-  block's in-range scores, the top-k kernel (``indexer_topk.py``) selects each row's keys.  The
-  ``[s_q, s_kv]`` scores are never held whole.  With h_idx 64 and ``s_kv < 65536`` the score
+* ``indexer_topk``: the query rows are processed in blocks of ``rows`` through float32
+  workspaces ``[rows, s_kv]`` of at most :data:`WORKSPACE_BYTES` together (512 MiB: two of 2048
+  rows at s_kv 32k, one per stream, see :data:`ENV_TOPK_STREAMS`; one of 4096 rows with one
+  stream): the score kernel (``indexer_score.py``) fills the block's in-range scores, the top-k
+  kernel (``indexer_topk.py``) selects each row's keys.  The ``[s_q, s_kv]`` scores are never
+  held whole.  With h_idx 64 and ``s_kv < 65536`` the score
   kernel also counts each row's first-digit histogram (``[rows, 2048]`` int32 beside the
   workspace, 8 KiB per row: 32 MiB at 4096 rows) and the top-k kernel starts from it instead of
   reading the row once more -- an option (:data:`ENV_TOPK_HIST`), off by default: it measured
@@ -137,6 +138,17 @@ HIST_DEFAULT = {"bf16": "", "fp8": ""}
 HIST_MODES = ("plain", "pad")
 #: The fused first-digit histogram's bins (``indexer_score.BINS``, ``indexer_topk.BINS``).
 HIST_BINS = 2048
+#: How many CUDA streams ``indexer_topk`` runs its row blocks on (``1`` or ``2``; default
+#: :data:`TOPK_STREAMS_DEFAULT`).  With 2 (and more than one block), the blocks go in reverse
+#: order (the heaviest causal blocks first), block ``j`` (its score kernel, then its select
+#: kernel) to stream ``j % 2`` -- the caller's current stream or a side stream forked from it and
+#: joined back before the call returns -- each stream with its own workspace of half the
+#: :data:`WORKSPACE_BYTES` budget (the same memory in total), so that one block's score kernel
+#: fills the SMs that the other stream's tails and selects leave idle.  The outputs are the same
+#: bits either way (tested).  H200, S 32k: 0.977-0.979x the one-stream time in bf16, 0.972-0.980x
+#: in fp8 (docs/PERF.md).
+ENV_TOPK_STREAMS = "MLA_KERNELS_INDEXER_TOPK_STREAMS"
+TOPK_STREAMS_DEFAULT = 2
 #: ``0``: the score kernel reads its weights from shared memory per key tile (the first version)
 #: instead of holding them in registers.
 ENV_SCORE_WREGS = "MLA_KERNELS_INDEXER_SCORE_WREGS"
@@ -401,11 +413,34 @@ def no_hist(device) -> torch.Tensor:
 ROW_ALIGN = 32
 
 
-def block_rows(s_q: int, s_kv: int) -> int:
-    """Query rows per top-k block: a multiple of :data:`ROW_ALIGN`, the workspace within
-    :data:`WORKSPACE_BYTES` (or the minimum block)."""
-    rows = max(ROW_ALIGN, (WORKSPACE_BYTES // (max(s_kv, 1) * 4)) // ROW_ALIGN * ROW_ALIGN)
+def block_rows(s_q: int, s_kv: int, streams: int = 1) -> int:
+    """Query rows per top-k block: a multiple of :data:`ROW_ALIGN`, the ``streams`` workspaces
+    together within :data:`WORKSPACE_BYTES` (or the minimum block)."""
+    rows = max(ROW_ALIGN, (WORKSPACE_BYTES // streams // (max(s_kv, 1) * 4)) // ROW_ALIGN * ROW_ALIGN)
     return min(rows, -(-s_q // ROW_ALIGN) * ROW_ALIGN)
+
+
+def topk_streams() -> int:
+    """The streams ``indexer_topk`` spreads its row blocks over (:data:`ENV_TOPK_STREAMS`)."""
+    v = os.environ.get(ENV_TOPK_STREAMS, "").strip() or str(TOPK_STREAMS_DEFAULT)
+    if v not in ("1", "2"):
+        raise ValueError(f"{ENV_TOPK_STREAMS}={v!r}: expected 1 or 2")
+    return int(v)
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    """One side stream per device for :func:`run_topk`'s second pipeline (always forked from and
+    joined back into the caller's current stream, so it adds no ordering of its own)."""
+    key = torch.device(device).index
+    if key is None:
+        key = torch.cuda.current_device()
+    s = _SIDE_STREAMS.get(key)
+    if s is None:
+        s = _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return s
 
 
 def run_logits(p) -> torch.Tensor:
@@ -424,15 +459,36 @@ def run_topk(p, topk: int, return_logits: bool):
     length = host.alloc((p.s_q,), torch.int32, dev)
     logits = host.alloc((p.s_q, topk), torch.float32, dev) if return_logits else host.dummy(
         torch.float32, dev, (1, 1))
-    rows = block_rows(p.s_q, p.s_kv)
-    ws = torch.empty(rows, p.s_kv, dtype=torch.float32, device=dev)
-    hist = torch.empty(rows, HIST_BINS, dtype=torch.int32, device=dev) if fused else no_hist(dev)
-    for q0 in range(0, p.s_q, rows):
+    n_str = topk_streams()
+    rows = block_rows(p.s_q, p.s_kv, n_str)
+    if rows >= p.s_q:
+        n_str, rows = 1, block_rows(p.s_q, p.s_kv)
+    ws = [torch.empty(rows, p.s_kv, dtype=torch.float32, device=dev) for _ in range(n_str)]
+    hist = [torch.empty(rows, HIST_BINS, dtype=torch.int32, device=dev) if fused else no_hist(dev)
+            for _ in range(n_str)]
+    cur = torch.cuda.current_stream(dev)
+    streams = [cur]
+    if n_str > 1:
+        # block j on stream j % 2, each with its own workspace (the same stream orders a
+        # workspace's select before its next score); the side stream starts after everything the
+        # caller queued and the caller's stream continues after the side stream's last kernel
+        side = _side_stream(dev)
+        side.wait_stream(cur)
+        streams.append(side)
+    starts = list(range(0, p.s_q, rows))
+    if n_str > 1:
+        # the last (with causal ranges the heaviest) blocks first, so that what runs alone at the
+        # end -- the last block's tail and its select -- is the lightest
+        starts.reverse()
+    for j, q0 in enumerate(starts):
         n = min(rows, p.s_q - q0)
-        block = ws[:n]
-        score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist, q0, p.s_kv)
+        block = ws[j % n_str][:n]
         select = _topk_fn(p, return_logits, fused, topk_variant(block_longest(p, q0, n), topk))
-        select(block, p.k_start, p.k_end, indices, length, logits, hist, q0)
+        with torch.cuda.stream(streams[j % n_str]):
+            score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist[j % n_str], q0, p.s_kv)
+            select(block, p.k_start, p.k_end, indices, length, logits, hist[j % n_str], q0)
+    if n_str > 1:
+        cur.wait_stream(streams[1])
     return (indices, length, logits) if return_logits else (indices, length)
 
 
