@@ -510,7 +510,6 @@ def test_topk_two_streams_match_one_and_capture(fp8, monkeypatch):
     s_q, s_kv, topk = 1000, 2500, 128
     monkeypatch.setattr(indexer_host, "WORKSPACE_BYTES", 200 * s_kv * 4)
     assert indexer_host.block_rows(s_q, s_kv, 2) == 96
-    kw = {}
     sets = []
     for seed in (21, 22):
         q, k, w, qs, ksc = rand_inputs(s_q, 64, 128, s_kv, seed=seed, fp8=fp8)

@@ -145,7 +145,7 @@ HIST_BINS = 2048
 #: joined back before the call returns -- each stream with its own workspace of half the
 #: :data:`WORKSPACE_BYTES` budget (the same memory in total), so that one block's score kernel
 #: fills the SMs that the other stream's tails and selects leave idle.  The outputs are the same
-#: bits either way (tested).  H200, S 32k: 0.977-0.979x the one-stream time in bf16, 0.972-0.980x
+#: bits either way (tested).  H200, S 32k: 0.977-0.980x the one-stream time in bf16, 0.972-0.980x
 #: in fp8 (docs/PERF.md).
 ENV_TOPK_STREAMS = "MLA_KERNELS_INDEXER_TOPK_STREAMS"
 TOPK_STREAMS_DEFAULT = 2
@@ -468,27 +468,26 @@ def run_topk(p, topk: int, return_logits: bool):
             for _ in range(n_str)]
     cur = torch.cuda.current_stream(dev)
     streams = [cur]
+    starts = list(range(0, p.s_q, rows))
     if n_str > 1:
         # block j on stream j % 2, each with its own workspace (the same stream orders a
         # workspace's select before its next score); the side stream starts after everything the
-        # caller queued and the caller's stream continues after the side stream's last kernel
-        side = _side_stream(dev)
-        side.wait_stream(cur)
-        streams.append(side)
-    starts = list(range(0, p.s_q, rows))
-    if n_str > 1:
-        # the last (with causal ranges the heaviest) blocks first, so that what runs alone at the
-        # end -- the last block's tail and its select -- is the lightest
+        # caller queued and the caller's stream continues after the side stream's last kernel.
+        # The last (with causal ranges the heaviest) blocks go first, so that what runs alone at
+        # the end -- the last block's tail and its select -- is the lightest.
+        streams.append(_side_stream(dev))
+        streams[1].wait_stream(cur)
         starts.reverse()
     for j, q0 in enumerate(starts):
         n = min(rows, p.s_q - q0)
-        block = ws[j % n_str][:n]
+        i = j % n_str
+        block = ws[i][:n]
         select = _topk_fn(p, return_logits, fused, topk_variant(block_longest(p, q0, n), topk))
-        with torch.cuda.stream(streams[j % n_str]):
-            score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist[j % n_str], q0, p.s_kv)
-            select(block, p.k_start, p.k_end, indices, length, logits, hist[j % n_str], q0)
-    if n_str > 1:
-        cur.wait_stream(streams[1])
+        with torch.cuda.stream(streams[i]):
+            score(q2, k, w_eff, ks, p.k_start, p.k_end, block, hist[i], q0, p.s_kv)
+            select(block, p.k_start, p.k_end, indices, length, logits, hist[i], q0)
+    for side in streams[1:]:
+        cur.wait_stream(side)
     return (indices, length, logits) if return_logits else (indices, length)
 
 
