@@ -24,10 +24,10 @@ SMEM_LIMIT = 232448
 def bwd_spill_allowance(name: str) -> tuple:
     """``(spill bytes, LDL, STL)`` a backward build may show: none, except the d576 / h_q 128
     atomic builds where WG0 runs the send-first order (``SparseMlaBwdSm90.send_first``: the CUDA 13
-    toolchain, the GPU build; 0.96-0.99x the time, docs/PERF.md): ptxas keeps two loop-invariant
-    integers in local memory there -- 8 bytes stored once, at most one 4-byte reload per block
-    (8-40 bytes counted; the timing-trace build, with its clock registers, 76).  The other
-    toolchain builds WG0 at lag 0, without spills."""
+    toolchain, the GPU build; 0.96-0.99x the time, docs/PERF.md): ptxas keeps a loop-invariant
+    integer in local memory there -- 4 bytes stored once before the warpgroups split, reloaded a
+    few times per role (32 bytes counted, 1 ``STL`` and 7 ``LDL``; the timing-trace build, with
+    its clock registers, 72).  The other toolchain builds WG0 at lag 0, without spills."""
     from mla_kernels.sm90.bwd import SparseMlaBwdSm90
 
     if "_d576_h128" in name and "_det" not in name and SparseMlaBwdSm90(576, pair_sum=True).send_first[0]:

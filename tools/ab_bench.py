@@ -137,7 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=DIR[@K=V;...]",
                     help="a package copy to time, with optional environment knobs (repeat; the first is the "
                          "reference of the ratios)")
-    ap.add_argument("--ops", default="fwd,bwd", help="comma-separated subset of fwd,attn_dist,bwd,bwd_det")
+    ap.add_argument("--ops", default="fwd,bwd",
+                    help="comma-separated subset of fwd,attn_dist,bwd,bwd_det,bwd_asum (the backward "
+                         "with return_attn_sum=True)")
     ap.add_argument("--shapes", default="v32-h128-kv32k", help="comma-separated tools/bench.py shape names")
     ap.add_argument("--rounds", type=int, default=60, help="timed rounds (one call per variant each)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
     shapes = {s[0]: s for s in bench.HEADLINE}
     ops = [o for o in args.ops.split(",") if o]
     for o in ops:
-        if o not in bench.OPS:
+        if o not in bench.OPS + ("bwd_asum",):
             ap.error(f"unknown op {o!r}; choose from {', '.join(bench.OPS)}")
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name(dev)}; variants: {', '.join(n for n, _ in variants)}")
@@ -189,7 +191,7 @@ def main(argv=None) -> int:
                     return mk.attn_dist(s["q"], s["kv"], s["idx"], extra[i][1], sm_scale)
                 out, lse, dout = extra[i]
                 return mk.sparse_mla_bwd(s["q"], s["kv"], out, dout, s["idx"], lse, sm_scale, d_v,
-                                         deterministic=op == "bwd_det")
+                                         deterministic=op == "bwd_det", return_attn_sum=op == "bwd_asum")
 
             times = {n: [] for n, _ in variants}
             ratios = {n: [] for n, _ in variants}
@@ -208,7 +210,7 @@ def main(argv=None) -> int:
                     for n in this:
                         times[n].append(this[n])
                         ratios[n].append(this[n] / this[variants[0][0]])
-            fl = bench.flops(op, s_q, h_q, topk, d_qk, d_v)
+            fl = bench.flops("bwd" if op == "bwd_asum" else op, s_q, h_q, topk, d_qk, d_v)
             for n, _ in variants:
                 ms = statistics.median(times[n])
                 q1, q3 = statistics.quantiles(times[n], n=4)[0], statistics.quantiles(times[n], n=4)[2]

@@ -76,6 +76,7 @@ BAR_DKV_DONE = 3  # WG1's dKV products finished reading P/dS (WG1 arrives, WG0 w
 BAR_ASUM = 4  # WG0 only: attention-sum partials in smem
 BAR_EPI = 5  # both: dQ epilogue, last readers of sQ done
 BAR_EPI_STORED = 8  # both: dQ stored into sQ's tile (one id per sync site: docs/DSL_NOTES.md)
+BAR_EPI_WG1 = 10  # one body per warpgroup: WG0 arrives, WG1 syncs (last readers of sQ done)
 BAR_ASUM_READ = 9  # WG0 only: attention-sum partials read (the next block may overwrite them)
 BAR_DELTA = 6  # WG1 only: delta rows in smem
 
@@ -200,16 +201,18 @@ class SparseMlaBwdSm90:
         # (+2% at 32k, +9% at 64k).  Both measured on the H200.
         self.ws_evict_last = True
         self.pair_cluster = True
-        # The pair sum keeps a chunk half (16 floats) live across the next chunk's products.
-        self.regs_consumer = 232 if pair_sum else 224
+        # Registers per thread after ``setmaxnreg``, per warpgroup (WG0, WG1) and for the producer:
+        # the kernel launches with 168 x 384, i.e. 504 per (WG0, WG1, producer) triple.  The pair
+        # sum keeps a chunk half (16 floats) live across the next chunk's products.
+        regs = 232 if pair_sum else 224
+        self.regs_wg = (regs, regs)
         self.regs_producer = 40 if pair_sum else 56
         # How many chunks later a WG receives, adds and scatters chunk c (the products of the
         # chunks in between run meanwhile; 16 live registers per chunk in flight).  0: chunk by
         # chunk.  Measured (H200, interleaved): WG1 at lag 1 is 17% faster than neither WG
         # pipelined; WG1 at lag 2 (d576: three slots) another 3-4%; WG0 (which also holds the
-        # RoPE dQ accumulator) at lag 1 only in the send-first order below.
-        # (Lag 2 needs 16 more live registers in WG1: the CUDA 13 ptxas -- the GPU build -- fits
-        # them in 232 without spilling, the CUDA 12 one spills 84 B, so it gets lag 1 and WG0 0.)
+        # RoPE dQ accumulator) pipelined only in the send-first order below.  The CUDA 12 ptxas
+        # spills 84 B at WG1's lag 2, so that build keeps lags (0, 1).
         deep = self.n_slots == 3 and cutlass.CUDA_VERSION.major >= 13
         self.ex_lag = (1, 2) if deep else (0, 1)
         # Per warpgroup: with a lag, send chunk c's peer half *before* receiving and scattering
@@ -220,9 +223,18 @@ class SparseMlaBwdSm90:
         # the time at s_kv 8k / 32k / 128k (H200, docs/PERF.md).  WG1 in this order: 1.02-1.03x, so
         # it keeps the default (its products overlap its scatters at lag 2).
         self.send_first = (True, False) if deep else (False, False)
+        if deep and not deterministic:
+            # WG0 at lag 2 keeps two chunk halves pending, 16 registers more than at lag 1: it
+            # takes them from WG1 (224, where lag 2 still fits) and the producer (32).  H200,
+            # interleaved (docs/PERF.md): the registers moved alone cost 1-2%, WG0 at lag 2 with
+            # them gains 2-3%, together 0.98-1.00x the time of lag 1 at 232 / 232 / 40 (at 232
+            # registers WG0's lag 2 spills ~110 bytes per block; a producer at 24 costs 2%).
+            self.ex_lag = (2, 2)
+            self.regs_wg = (248, 224)
+            self.regs_producer = 32
         # every slot is used at least once per block (the flow control frees each once per block)
         assert max(self.ex_lag) < self.n_slots <= min(len(c) for c in self.dkv_chunks)
-        assert 2 * self.regs_consumer + self.regs_producer <= 504
+        assert sum(self.regs_wg) + self.regs_producer <= 504
         self.smem_bytes = 0  # set when traced
 
     # ------------------------------------------------------------------------------------------
@@ -450,14 +462,21 @@ class SparseMlaBwdSm90:
                           s_idx, topk_len, num_blocks, start, idx_in_wg, warp_idx % 4,
                           dev.Trace(self.trace, trace_row, TRACE_BASE[2], TRACE_PER_BLOCK, TRACE_BLOCKS))
         else:
-            cute.arch.setmaxregister_increase(self.regs_consumer)
-            self.consumer(
-                mDO, mO, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
-                tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in, kv_a, kv_b, kv_c,
-                bar_meta, s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, start, wg, idx_in_wg, warp_idx,
-                _Exchange(self, storage, mbar, wg, idx_in_wg, h_blk),
-                trace_row,
-            )
+            args = (mDO, mO, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
+                    tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in,
+                    kv_a, kv_b, kv_c, bar_meta, s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, start)
+            if const_expr(self.regs_wg[0] == self.regs_wg[1]):
+                cute.arch.setmaxregister_increase(self.regs_wg[0])
+                self.consumer(*args, wg, idx_in_wg, warp_idx, _Exchange(self, storage, mbar, wg, idx_in_wg, h_blk),
+                              trace_row)
+            else:
+                # one consumer body per warpgroup (``wg`` a constant in each), each under its own
+                # register count
+                for c_wg in cutlass.range_constexpr(2):
+                    if wg == c_wg:
+                        cute.arch.setmaxregister_increase(self.regs_wg[c_wg])
+                        self.consumer(*args, c_wg, idx_in_wg, warp_idx,
+                                      _Exchange(self, storage, mbar, c_wg, idx_in_wg, h_blk), trace_row)
             if const_expr(self.trace):
                 head.put(TRACE_END, dev.clock32(), tidx == 0)
 
@@ -559,7 +578,7 @@ class SparseMlaBwdSm90:
         topk_len: Int32,
         num_blocks: Int32,
         start: Int32,
-        wg: Int32,
+        wg,  # Int32, or a constant (one body per warpgroup)
         idx_in_wg: Int32,
         warp_idx: Int32,
         ex,
@@ -751,7 +770,18 @@ class SparseMlaBwdSm90:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
 
         # ---------------- dQ epilogue: registers -> bf16 -> smem (Q's tile) -> TMA ----------------
-        cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)  # last readers of sQ done
+        split = const_expr(self.regs_wg[0] != self.regs_wg[1])  # one consumer body per warpgroup
+        if const_expr(split):
+            # last readers of sQ done, with one bar.sync site per id (the two bodies are two code
+            # locations): each warpgroup arrives on the barrier the other one syncs
+            if const_expr(wg == 0):
+                cute.arch.barrier_arrive(barrier_id=BAR_EPI_WG1, number_of_threads=256)
+                cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)
+            else:
+                cute.arch.barrier_arrive(barrier_id=BAR_EPI, number_of_threads=256)
+                cute.arch.barrier(barrier_id=BAR_EPI_WG1, number_of_threads=256)
+        else:
+            cute.arch.barrier(barrier_id=BAR_EPI, number_of_threads=256)  # last readers of sQ done
         thr_st_dq = cute.make_tiled_copy_C(st_atom, self._mma(K_MAJ, MN_MAJ, 256)).get_slice(idx_in_wg)
         rDQ = cute.make_rmem_tensor_like(acc_dq, BFloat16)
         rDQ.store(acc_dq.load().to(BFloat16))
@@ -764,7 +794,10 @@ class SparseMlaBwdSm90:
                 cute.copy(thr_st_r, thr_st_r.retile(rDQr),
                           thr_st_r.partition_D(cute.local_tile(sQ, (B_H, 64), (0, self.n_k_tiles - 1))))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_EPI_STORED, number_of_threads=256)
+        if const_expr(split and wg == 1):
+            cute.arch.barrier_arrive(barrier_id=BAR_EPI_STORED, number_of_threads=256)  # WG0 stores
+        else:
+            cute.arch.barrier(barrier_id=BAR_EPI_STORED, number_of_threads=256)
         if warp_idx == 0:
             tDQsDQ, tDQgDQ = tma.token_tile_partition(tma_atom_dq, tma_dq, s_idx, (B_H, self.d_qk), (h_blk, 0), sQ)
             cute.copy(tma_atom_dq, tDQsDQ, tDQgDQ)
