@@ -33,6 +33,9 @@ sys.path.insert(0, HERE)
 
 import bench  # noqa: E402  (shapes, FLOPs, input sets)
 
+#: tools/bench.py's ops plus ``bwd_asum``: the backward with ``return_attn_sum=True`` (bwd's FLOPs)
+AB_OPS = bench.OPS + ("bwd_asum",)
+
 
 class CudnnPeer:
     """``NAME=@cudnn``: cuDNN-frontend's sm90 DSA kernels (``cudnn.deepseek_sparse_attention``, when
@@ -161,8 +164,8 @@ def main(argv=None) -> int:
     shapes = {s[0]: s for s in bench.HEADLINE}
     ops = [o for o in args.ops.split(",") if o]
     for o in ops:
-        if o not in bench.OPS + ("bwd_asum",):
-            ap.error(f"unknown op {o!r}; choose from {', '.join(bench.OPS)}")
+        if o not in AB_OPS:
+            ap.error(f"unknown op {o!r}; choose from {', '.join(AB_OPS)}")
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name(dev)}; variants: {', '.join(n for n, _ in variants)}")
     rows = []

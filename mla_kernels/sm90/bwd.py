@@ -237,6 +237,12 @@ class SparseMlaBwdSm90:
         assert sum(self.regs_wg) + self.regs_producer <= 504
         self.smem_bytes = 0  # set when traced
 
+    @property
+    def wg_bodies(self) -> bool:
+        """Whether the consumer is traced once per warpgroup (``wg`` a constant in each body):
+        ``setmaxnreg`` takes a constant, so warpgroups with different register counts need it."""
+        return self.regs_wg[0] != self.regs_wg[1]
+
     # ------------------------------------------------------------------------------------------
     # Host side
     # ------------------------------------------------------------------------------------------
@@ -465,7 +471,7 @@ class SparseMlaBwdSm90:
             args = (mDO, mO, mLse2, mDeltaCorr, mDeltaOut, mAsumScale, mWs, mAsum, scale_log2, sm_scale,
                     tma_atom_dq, tma_dq, sQ, sDO, sK, sP, sDS, sRowIdx, sValid, sPsum, sDelta, bar_in,
                     kv_a, kv_b, kv_c, bar_meta, s_idx, h_blk, n_hblk, topk, topk_len, num_blocks, start)
-            if const_expr(self.regs_wg[0] == self.regs_wg[1]):
+            if const_expr(not self.wg_bodies):
                 cute.arch.setmaxregister_increase(self.regs_wg[0])
                 self.consumer(*args, wg, idx_in_wg, warp_idx, _Exchange(self, storage, mbar, wg, idx_in_wg, h_blk),
                               trace_row)
@@ -770,7 +776,7 @@ class SparseMlaBwdSm90:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
 
         # ---------------- dQ epilogue: registers -> bf16 -> smem (Q's tile) -> TMA ----------------
-        split = const_expr(self.regs_wg[0] != self.regs_wg[1])  # one consumer body per warpgroup
+        split = self.wg_bodies
         if const_expr(split):
             # last readers of sQ done, with one bar.sync site per id (the two bodies are two code
             # locations): each warpgroup arrives on the barrier the other one syncs
