@@ -59,7 +59,14 @@ def main(argv=None) -> int:
                          "reported per step: the GPU is fed ahead of itself, so the host's launch of the "
                          "graph is not timed (FlashMLA's binary launches back to back too); 1 = one step "
                          "per event pair after a sync (the host's graph launch inside the time)")
+    ap.add_argument("--graph-steps", type=int, default=1, metavar="G",
+                    help="steps captured in one CUDA graph (input sets rotating; times reported per step): "
+                         "consecutive steps then follow each other inside a graph, as the layers of a "
+                         "serving engine's captured model step do, instead of across graph launches "
+                         "(what a programmatic dependent launch between steps needs; docs/PERF.md)")
     args = ap.parse_args(argv)
+    if args.graph_steps < 1:
+        ap.error("--graph-steps wants G >= 1")
     if args.b2b < 1:
         ap.error("--b2b wants K >= 1")
 
@@ -87,7 +94,8 @@ def main(argv=None) -> int:
             ap.error(f"unknown case {c!r}; choose from {', '.join(cases)}")
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name(dev)}; variants: {', '.join(s[0] for s in specs)}; "
-          f"{'eager' if args.eager else 'graph'} steps, {args.b2b} back to back per sample", flush=True)
+          f"{'eager' if args.eager else 'graph'} steps, {args.b2b} back to back per sample"
+          f"{'' if args.eager or args.graph_steps == 1 else f', {args.graph_steps} steps per graph'}", flush=True)
     max_b = max(cases[c][1] for c in want)
     seq_len, page_size = cases[want[0]][5], cases[want[0]][6]
     kv, bt_all = bd.make_cache(max_b, seq_len, page_size, dev, torch.bfloat16)
@@ -123,7 +131,14 @@ def main(argv=None) -> int:
             if args.eager:
                 steps[name] = call
             else:
-                graphs = bd.capture_graphs(call, args.sets)
+                if args.graph_steps == 1:
+                    graphs = bd.capture_graphs(call, args.sets)
+                else:
+                    def multi(i, call=call, g=args.graph_steps, n=args.sets):
+                        for k in range(g):
+                            call((i + k) % n)
+
+                    graphs = bd.capture_graphs(multi, args.sets)
                 steps[name] = lambda i, graphs=graphs: graphs[i].replay()
         names = [s[0] for s in specs]
         times = {n: [] for n in names}
@@ -138,7 +153,7 @@ def main(argv=None) -> int:
                     steps[n]((r + k) % args.sets)
                 e.record()
                 e.synchronize()
-                this[n] = a.elapsed_time(e) * 1e3 / args.b2b
+                this[n] = a.elapsed_time(e) * 1e3 / (args.b2b * args.graph_steps)
             if r >= args.warmup:
                 for n in names:
                     times[n].append(this[n])
