@@ -29,6 +29,10 @@ in the plan's ``counters``; :mod:`mla_kernels.common.decode_device`), or -- the 
 plan with 2/4/8/16 splits -- inside the split kernel by a thread-block cluster per row whose CTAs
 stage their partials in shared memory and each merge a slice of the heads over DSMEM
 (:mod:`mla_kernels.common.cluster_merge`; no float32 workspace then, ``out_parts`` is None).
+Such a plan's CTAs hold 32 heads instead of 64 when its rows of 32 heads fit as clusters at once
+(b 1 at h_q 64 / 128; ``MLA_KERNELS_DECODE_CLUSTER_ROWS``,
+:func:`mla_kernels.common.decode_host.cluster_rows_for`): each CTA pulls half the bytes over
+DSMEM, the split count stays.
 The default (``auto``) rule, :func:`mla_kernels.common.decode_host.cluster_size_for`: clusters of
 the plan's split count if ``rows`` of them fit (the driver's occupancy query; on an H200 7
 clusters of 16, 15 of 8), else -- when the rule above gave more than 8 splits and 8 splits deal

@@ -618,6 +618,31 @@ def test_emulated_translation_equals_reference_for_odd_page_sizes():
             assert torch.equal(got, ref.decode_physical_indices(idx, n_rows, ps, bt))
 
 
+def test_cluster_rows_rule(monkeypatch):
+    """MLA_KERNELS_DECODE_CLUSTER_ROWS (32 default, 64): CTAs of 32 heads for cluster plans that
+    merge over DSMEM when the plan's rows of 32 heads fit as clusters at once (on the CPU the
+    capacity is half of num_sms // cluster: 4 clusters of 16, 16 of 4); never for the L2 staging,
+    plans without a cluster, or with the knob at 64; a clear error for other values."""
+    monkeypatch.delenv(decode_host.ENV_CLUSTER_ROWS, raising=False)
+    assert decode_host.cluster_rows() == 32
+
+    def plan(h, b=1, s_q=1):
+        return DecodePlan(b, s_q, h, 2048, 576, 512, torch.device("cpu"), torch.bfloat16, 16, 2)
+
+    rule = decode_host.cluster_rows_for
+    assert rule(plan(128), 16, "bf16") == 32  # b 1: 4 rows of 32 heads, 4 clusters of 16 fit
+    assert rule(plan(64), 16, "f32") == 32
+    assert rule(plan(128, 1, 2), 16, "bf16") == 64  # 8 rows of 32 heads: more than 4 clusters of 16
+    assert rule(plan(128, 2, 2), 4, "bf16") == 32 and rule(plan(128, 3, 2), 4, "bf16") == 64  # 16 / 24 of 4
+    assert rule(plan(128), 16, "l2") == 64 and rule(plan(128), 0, "bf16") == 64
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_ROWS, " 64 ")
+    assert decode_host.cluster_rows() == 64 and rule(plan(128), 16, "bf16") == 64
+    monkeypatch.setenv(decode_host.ENV_CLUSTER_ROWS, "16")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_ROWS='16': expected 32 or 64"):
+        rule(plan(128), 16, "bf16")
+    assert rule(plan(128), 0, "bf16") == 64  # (read only for cluster plans)
+
+
 def test_cluster_knobs_and_size_rule(monkeypatch):
     """The cluster merge (one launch, the splits of a row merged over DSMEM) serves the 64-head
     kernel's split counts 2/4/8/16 up to MLA_KERNELS_DECODE_CLUSTER_MAX; every other plan keeps

@@ -12,7 +12,7 @@ SMEM_LIMIT = 232448
 NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_d576_h64_direct", "sm90_decode_d576_h64_direct_fixed",
          "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
          "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
-         "sm90_decode_d576_h128_cluster16_l2"}
+         "sm90_decode_d576_h128_cluster16_l2", "sm90_decode_d576_h128_cluster16_rows32"}
 
 
 def q_chunks(h: int, d_qk: int = 576) -> int:
@@ -150,6 +150,24 @@ def test_cluster_merge(report):
     assert sass.get("STG.E.128", 0) == 0  # no float32 parts; the merged bf16 columns are 8-byte stores
 
 
+def test_cluster_merge_32_head_ctas(report):
+    """MLA_KERNELS_DECODE_CLUSTER_ROWS=32 (the default where twice the clusters fit): the same
+    decode (the wgmma tile's other 32 rows zero-filled by the Q load's cp.async, nothing read for
+    them), 0 spills, and a merge of 2 heads per CTA: each of the 128 merging threads reads its
+    16-byte chunk of the row from each of the 16 peers (bf16 staging) -- half the DSMEM bytes of
+    64-head CTAs."""
+    r = report["sm90_decode_d576_h128_cluster16_rows32"]
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT and r["spill_bytes"] == 0
+    sass, base = _common(r)
+    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
+    assert base.get("LDGSTS", 0) == 72 + q_chunks(64)
+    # (ptxas lays the merge out twice -- 15 of its 16 DSMEM loads in each copy, one shared -- and
+    # copies the last cluster wait into both sides of the merge's thread gate: 6 wait sites; each
+    # thread runs one of them)
+    assert sass.get("UCGABAR_ARV", 0) == 4 and 4 <= sass.get("UCGABAR_WAIT", 0) <= 6
+    assert 16 <= sass.get("LD.E.128", 0) <= 32
+
+
 def test_cluster_merge_through_l2(report):
     """MLA_KERNELS_DECODE_CLUSTER_PARTS=l2: the float32 parts go to the workspace as in split mode
     (16-byte stores), one cluster barrier (release: one MEMBAR.GPU), no DSMEM loads; each CTA
@@ -198,3 +216,14 @@ def test_default_producer_uses_the_compilers_division(report, name):
 
 def base_ldgsts(r):
     return r["sass_base"].get("LDGSTS", 0)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(cluster=16, cluster_l2=True), dict(rows=48, cluster=16)])
+def test_32_head_ctas_need_a_dsmem_cluster(kw):
+    """rows=32 (or anything but 32 / 64) outside a DSMEM cluster merge is refused before compiling."""
+    from mla_kernels.sm90 import compile_decode
+
+    kw = dict(kw)
+    kw.setdefault("rows", 32)
+    with pytest.raises(ValueError, match=f"rows={kw['rows']}: 64, or 32 with a DSMEM cluster merge"):
+        compile_decode(576, 128, bool(kw.get("cluster")), "sm_90a", **kw)

@@ -186,6 +186,38 @@ def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
     assert ((l2[fin] - first[1][fin]).abs() <= 1e-5 * l2[fin].abs().clamp_min(1)).all()
 
 
+@pytest.mark.parametrize("h,b,s_q,topk,d,parts,splits", [
+    (128, 1, 1, 2048, 576, "bf16", None),  # b 1: 4 rows of 32 heads, clusters of 16
+    (64, 1, 2, 640, 576, "f32", 4),  # an MTP pair at h 64, float32 staging, clusters of 4
+    (128, 2, 1, 512, 512, "bf16", 4),  # d_qk 512, clusters of 4 (8 heads per CTA to merge)
+    (128, 1, 1, 2048, 576, "bf16", 8),  # clusters of 8
+])
+def test_decode_cluster_rows32_is_bitwise_rows64(h, b, s_q, topk, d, parts, splits, monkeypatch):
+    """MLA_KERNELS_DECODE_CLUSTER_ROWS=32: CTAs of 32 heads (the wgmma tile's other 32 rows zeros)
+    merge over DSMEM; each head's partial is computed by the same per-row arithmetic and merged in
+    the same order as with 64-head CTAs, so out, lse and max_logits are bitwise equal -- with
+    topk_length (empty rows and splits), sink, q_bias, invalid / duplicate slots, poisoned outputs --
+    and match the reference."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "cluster")
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
+    c = dcase(b, s_q, h, topk, d=d, tl="b", sink=True, bias=True, seed=29 + h + b + d)
+    res = {}
+    for rows in ("64", "32"):
+        monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_ROWS", rows)
+        plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=splits)
+        assert plan.state["cluster"] == plan.num_splits and plan.state["rows"] == int(rows)
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        res[rows] = (out.clone(), lse.clone(), plan.max_logits.clone())
+    for a, b_ in zip(res["64"], res["32"]):
+        assert torch.equal(a, b_)
+    check(res["32"][0], res["32"][1], want_of(c, sc, with_ml=True), c, ml=res["32"][2])
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_ROWS", "48")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_ROWS"):
+        mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", num_splits=splits)
+
+
 @pytest.mark.parametrize("h,num_splits,parts", [(128, 2, "f32"), (64, 8, "f32"), (128, 8, "f32"), (128, 8, "l2"),
                                                 (64, 2, "l2")])
 def test_decode_cluster_forced_splits(h, num_splits, parts, monkeypatch):

@@ -65,6 +65,8 @@ EXTRA = [
     ("b28-sq1-h64", 28, 1, 64, 2048, 32768, 64),  # 28 rows: 4 splits, in clusters of 4 if they fit
     ("v32-b16-sq1-h128", 16, 1, 128, 2048, 32768, 64),  # 32 rows: 4 splits, the combine kernel
     ("b24-sq1-h64", 24, 1, 64, 2048, 32768, 64),  # 24 rows: 5 splits, the combine kernel
+    ("b2-sq1-h64", 2, 1, 64, 2048, 32768, 64),  # 2 rows: 16 splits, clusters of 16 (of 32-head CTAs)
+    ("b1-sq2-h64", 1, 2, 64, 2048, 32768, 64),  # likewise, an MTP pair
 ]
 QUICK = [
     ("quick-b2-h16", 2, 1, 16, 128, 1024, 16),

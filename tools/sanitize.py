@@ -92,7 +92,8 @@ GROUPS = (
                                              "decode_narrow_direct_h32_d512", "decode_fused_h128",
                                              "decode_narrow_fused_h16", "decode_cluster4_h128",
                                              "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2",
-                                             "decode_auto_cluster8_h128", "merge")),
+                                             "decode_auto_cluster8_h128", "decode_cluster4_h128_rows32",
+                                             "decode_cluster16_h64_rows32", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 #: ``--ops``: the comma-separated ops each group keeps (the sanitized processes read it from here)
@@ -361,6 +362,11 @@ def _decode_steps(g: Group, step, dev) -> None:
                                ("decode_cluster4_h128_l2", 128, 4, {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "l2"})):
         if op in g.ops:
             run(op, h, 576, splits, "cluster", env)
+    rows32 = {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16", "MLA_KERNELS_DECODE_CLUSTER_ROWS": "32"}
+    if "decode_cluster4_h128_rows32" in g.ops:  # CTAs of 32 heads (zero padding rows), 24 clusters of 4
+        run("decode_cluster4_h128_rows32", 128, 576, 4, "cluster", rows32)
+    if "decode_cluster16_h64_rows32" in g.ops:  # b 1's shape: clusters of 16, 2 blocks per CTA
+        run("decode_cluster16_h64_rows32", 64, 576, 16, "cluster", rows32, topk=2048, b=1)
     if "decode_auto_cluster8_h128" in g.ops:
         # the default rule at b 2, s_q 2 (the first 2 requests): 8 rows of 64 heads, 16-CTA
         # clusters do not all fit on an H100 / H200, so 8 splits in clusters of 8 (bf16 staging)

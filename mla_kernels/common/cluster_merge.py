@@ -82,6 +82,27 @@ def stage_o_v4(x_addr: Int32, row: Int32, col: Int32, v0: Float32, v1: Float32, 
 
 
 @cute.jit
+def stage_o_rows(x_addr: Int32, acc_o: cute.Tensor, row: Int32, col0: Int32, odd, d_v: cutlass.Constexpr,
+                 bf16: cutlass.Constexpr):
+    """Stage a quad lane pair's row ``row`` of a warpgroup's O accumulator (``d_v / 2`` columns
+    from ``col0``, 8 apart per column group; :func:`~mla_kernels.common.device.quad_pair_v4`)."""
+    for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
+        v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
+        stage_o_v4(x_addr, row, col0 + 8 * g, v0, v1, v2, v3, d_v, bf16)
+
+
+def merge_threads(n_rows: int, n: int, d_v: int, bf16: bool, max_threads: int) -> int:
+    """Threads :func:`merge_slice` runs on for ``n_rows`` heads over ``n`` CTAs: ``n_rows / n``
+    heads, each on as many threads as it has 16-byte chunks per row (at most, and at least ``n``
+    and a whole number of warps), within ``max_threads``."""
+    hp = n_rows // n
+    chunks = d_v // (8 if bf16 else 4)
+    tph = min(chunks, max_threads // hp)
+    assert hp * n == n_rows and tph >= n and chunks % tph == 0 and (tph * hp) % 32 == 0, (n_rows, n, tph)
+    return tph * hp
+
+
+@cute.jit
 def merge_slice(
     x_addr: Int32,
     stats_addr: Int32,

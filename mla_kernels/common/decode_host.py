@@ -85,24 +85,27 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, part
 
 def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False,
                           pagediv: Optional[str] = None, o_bulk: Optional[bool] = None,
-                          ring_alt: Optional[bool] = None, **kw):
+                          ring_alt: Optional[bool] = None, rows: Optional[int] = None, **kw):
     """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"generic"`` /
     ``"magic"``, default: the kernel's own, ``"generic"``): how its paged gather divides a position
     by the page size (:func:`page_div_mode`); ``o_bulk``: direct mode's O by bulk copies (default:
     the kernel's own); ``ring_alt``: the alternating KV ring (default: :func:`ring_for`'s rule for
-    the kernel's mode).  An option the kernel does not have is a ValueError."""
+    the kernel's mode); ``rows``: heads per CTA of the 64-head kernel in a DSMEM cluster merge
+    (64, or 32: :func:`cluster_rows`).  An option the kernel does not have is a ValueError."""
     from .. import _compile
 
     if pagediv is not None and pagediv not in PAGEDIV_MODES:
         raise ValueError(f"pagediv={pagediv!r}: expected one of {', '.join(PAGEDIV_MODES)}")
     if ring_alt is None and hasattr(kernel, "ring_alt"):
         ring_alt = ring_for(DEFAULT_RING, kernel.split) == "alt"
-    for name, value in (("pagediv", pagediv), ("o_bulk", o_bulk), ("ring_alt", ring_alt)):
+    for name, value in (("pagediv", pagediv), ("o_bulk", o_bulk), ("ring_alt", ring_alt), ("rows", rows)):
         if value is None:  # the kernel's own default
             continue
         if not hasattr(kernel, name):
             raise ValueError(f"{type(kernel).__name__} has no {name} option")
-        setattr(kernel, name, value if name == "pagediv" else bool(value))
+        setattr(kernel, name, value if name in ("pagediv", "rows") else bool(value))
+    if rows is not None and (rows not in (32, 64) or (rows == 32 and not getattr(kernel, "cluster_dsmem", False))):
+        raise ValueError(f"rows={rows}: 64, or 32 with a DSMEM cluster merge")
     parts_bf16 = split and getattr(kernel, "parts_bf16", False)
     return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
                                            **kw)
@@ -430,6 +433,39 @@ def page_div_emulated(n, page_mul: int, page_shift: int):
     return ((n * m >> 32) + n) >> page_shift
 
 
+ENV_CLUSTER_ROWS = "MLA_KERNELS_DECODE_CLUSTER_ROWS"
+
+
+DEFAULT_CLUSTER_ROWS = 32
+
+
+def cluster_rows() -> int:
+    """``MLA_KERNELS_DECODE_CLUSTER_ROWS`` (``32`` default, or ``64``), read when a plan is made:
+    heads per CTA of a 64-head-kernel plan that merges over DSMEM in clusters.  32: twice the
+    rows, of 32 heads each (the wgmma tile's other 32 rows are zeros, computed and dropped), so
+    each CTA pulls half the bytes in the merge -- used when twice the plan's clusters fit on the
+    GPU at once (b 1 at h_q 64 / 128 on an H200: 10-11% faster steps, bitwise the same outputs;
+    docs/PERF.md), else 64."""
+    import os
+
+    v = os.environ.get(ENV_CLUSTER_ROWS, str(DEFAULT_CLUSTER_ROWS)).strip()
+    if v not in ("32", "64"):
+        raise ValueError(f"{ENV_CLUSTER_ROWS}={v!r}: expected 32 or 64")
+    return int(v)
+
+
+def cluster_rows_for(plan, cluster: int, staging: str) -> int:
+    """Heads per CTA of a plan's 64-head kernel: 32 for a cluster merge over DSMEM (``cluster``
+    > 0, ``staging`` not ``l2``) when :func:`cluster_rows` is 32 (the default) and the plan's
+    ``b * s_q * h_q / 32`` rows fit as clusters at once (:func:`cluster_capacity`), else 64."""
+    if not cluster or staging == "l2" or plan.h_q % 64 or cluster_rows() != 32:
+        return 64
+    from ..decode import device_sm_count
+
+    rows = plan.b * plan.s_q * (plan.h_q // 32)
+    return 32 if rows <= cluster_capacity(plan.device, cluster, device_sm_count(plan.device)) else 64
+
+
 def decode_knobs():
     """``(pdl, l2_prefetch)`` for plans made now -- bring-up knobs, read when a plan is made:
     ``MLA_KERNELS_DECODE_PDL`` (``0`` default: a plain launch of the combine; ``1``: programmatic
@@ -480,6 +516,11 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
         parts = f"cluster{cluster}-{staging}"
         if staging != "l2":  # the partials never leave shared memory: no global workspace
             plan.out_parts = plan.lse_parts = plan.max_logits_parts = None
+    rows = cluster_rows_for(plan, cluster, staging)
+    if rows != 64:  # (the default 64-head kernels keep their cache keys)
+        kw["rows"] = rows
+        parts += f"-rows{rows}"
+    plan.state["rows"] = rows
     if ef:
         kw["evict_first"] = True
     if parts == "bf16":

@@ -116,10 +116,12 @@ def load_q_tile(
     tile_addr: Int32,
     tid: Int32,
     n_threads: cutlass.Constexpr,
+    tile_rows: cutlass.Constexpr = 0,
 ):
     """``q[token, head0 + r, :] (+ q_bias[b_idx, head0 + r, :])`` for ``r < n_rows`` into an smem
-    tile of ``n_rows x d_qk`` bf16: ``d_qk/64`` K-major SW128 tiles of ``[n_rows x 64]``,
-    ``n_rows * 128`` bytes apart, starting at ``tile_addr`` (32-bit shared address, 1024-byte
+    tile of ``tile_rows x d_qk`` bf16 (``tile_rows`` 0: ``n_rows``; rows ``n_rows ..`` are
+    zero-filled): ``d_qk/64`` K-major SW128 tiles of ``[tile_rows x 64]``, ``tile_rows * 128``
+    bytes apart, starting at ``tile_addr`` (32-bit shared address, 1024-byte
     aligned).  ``mQ`` is ``[b, s_q, h, d_qk]`` (``token = b * s_q + s``), ``mBias [*, h, d_qk]``
     (the zero placeholder when ``use_bias`` is 0: adding it changes nothing).  The sum is
     rounded to bf16 once.  Called by ``n_threads`` threads (``tid`` 0..n_threads-1); without the
@@ -128,7 +130,8 @@ def load_q_tile(
     reads the tile -- the wait may come much later: the kernels issue the load at their start."""
     h = mQ.shape[2]
     chunks = d_qk // 8
-    total = n_rows * chunks
+    t_rows = tile_rows if cutlass.const_expr(tile_rows > 0) else n_rows
+    total = t_rows * chunks
     if use_bias != 0:
         q_base = mQ.iterator + (Int64(token) * h + head0) * d_qk
         bias_base = mBias.iterator + (Int64(b_idx) * h + head0) * d_qk
@@ -141,11 +144,19 @@ def load_q_tile(
             if j < total:
                 r = j // chunks
                 c = j % chunks
-                off = Int64(r * d_qk + c * 8)
-                cute.autovec_copy(cute.make_tensor((q_base + off).align(16), vec), rq)
-                cute.autovec_copy(cute.make_tensor((bias_base + off).align(16), vec), rb)
-                rf.store(rq.load().to(Float32) + rb.load().to(Float32))
-                dst = tile_addr + (c // 8) * (n_rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+                if cutlass.const_expr(t_rows == n_rows):
+                    off = Int64(r * d_qk + c * 8)
+                    cute.autovec_copy(cute.make_tensor((q_base + off).align(16), vec), rq)
+                    cute.autovec_copy(cute.make_tensor((bias_base + off).align(16), vec), rb)
+                    rf.store(rq.load().to(Float32) + rb.load().to(Float32))
+                else:  # the padding rows are zeros
+                    rf.fill(0.0)
+                    if r < n_rows:
+                        off = Int64(r * d_qk + c * 8)
+                        cute.autovec_copy(cute.make_tensor((q_base + off).align(16), vec), rq)
+                        cute.autovec_copy(cute.make_tensor((bias_base + off).align(16), vec), rb)
+                        rf.store(rq.load().to(Float32) + rb.load().to(Float32))
+                dst = tile_addr + (c // 8) * (t_rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
                 dev.st_shared_v4_b32(
                     dst,
                     dev.pack_bf16x2(rf[0], rf[1]),
@@ -163,8 +174,13 @@ def load_q_tile(
             if j < total:
                 r = j // chunks
                 c = j % chunks
-                dst = tile_addr + (c // 8) * (n_rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
-                cp_async_16_zfill_pf(dst, q_addr + Int64(r * d_qk + c * 8) * 2, Boolean(True), policy, 128)
+                dst = tile_addr + (c // 8) * (t_rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+                if cutlass.const_expr(t_rows == n_rows):
+                    cp_async_16_zfill_pf(dst, q_addr + Int64(r * d_qk + c * 8) * 2, Boolean(True), policy, 128)
+                else:  # the padding rows: zero-filled, nothing read
+                    ok = r < n_rows
+                    rr = Int32(cutlass.select_(ok, r, Int32(0)))
+                    cp_async_16_zfill_pf(dst, q_addr + Int64(rr * d_qk + c * 8) * 2, Boolean(ok), policy, 128)
 
 
 @dsl_user_op

@@ -24,7 +24,11 @@ producer gathering KV rows with 16-byte ``cp.async`` in halves.  What differs fr
   for a gather issued at the end of a pair; split mode keeps the fixed ring (short CTAs);
 * the epilogue stores O from registers with 16-byte (float32) vector stores (split mode), or in
   direct mode stages the bf16 rows in Q's free smem and writes each head's row by one 1 KB bulk
-  copy (``o_bulk``, the default; 8-byte stores from registers otherwise).
+  copy (``o_bulk``, the default; 8-byte stores from registers otherwise);
+* a row's splits may run as one cluster that merges over DSMEM (``cluster``,
+  ``common/cluster_merge.py``), and then a CTA may hold 32 heads instead of 64 (``rows``): the
+  Q tile's other 32 rows are zeros (computed, never staged), so each CTA pulls half the bytes in
+  the merge -- at b 1, 4 clusters of 16 CTAs instead of 2.
 
 Runtime flags (``common/decode_parts.F_*``) switch q_bias, the block table, topk_length, the
 sink and max_logits without a recompile; static: ``d_qk``, ``h_q`` (through the fake tensors)
@@ -100,6 +104,11 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # (decode_host.ring_for's rule -- direct mode only -- or MLA_KERNELS_DECODE_RING), as
         # compile_fwd sets the forward's
         self.ring_alt = False
+        # heads per CTA: 64 (one wgmma M tile), or 32 in a DSMEM cluster merge -- the tile's other
+        # 32 rows are zeros, computed and dropped -- so that a row's partials are half the bytes
+        # each CTA pulls over DSMEM (b 1 runs twice the CTAs); set by
+        # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_CLUSTER_ROWS)
+        self.rows = B_H
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -173,7 +182,7 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         n_tok = b * s_q
         # flattened views: the cache as [rows, d_qk], the indices as [tokens, topk]
         mKV2, mIdx2 = dd.flat_views(mKV, mIdx, n_tok, d_qk)
-        n_hblk = h_q // B_H
+        n_hblk = h_q // self.rows
         launch = self.kernel(
             mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
             page_size, page_mul, page_shift, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
@@ -257,8 +266,8 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         if tidx < 256:
             # Q (+ bias) for this head block by the 256 consumer threads, issued first: without a
             # bias the copies are asynchronous and overlap the setup and the producer's first loads
-            dp.load_q_tile(mQ, mBias, flags & Int32(dp.F_BIAS), token, b_idx, h_blk * B_H, B_H, self.d_qk,
-                           dev.smem_addr_u32(sQ_ptr), tidx, 256)
+            dp.load_q_tile(mQ, mBias, flags & Int32(dp.F_BIAS), token, b_idx, h_blk * self.rows, self.rows, self.d_qk,
+                           dev.smem_addr_u32(sQ_ptr), tidx, 256, B_H)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(4):
@@ -320,15 +329,29 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
                                256)
             if const_expr(self.cluster_dsmem):
                 cm.cluster_sync(True)  # every CTA of the row has staged its partial
-                cm.merge_slice(dev.smem_addr_u32(sQ_ptr), dev.smem_addr_u32(storage.sStats.data_ptr()), split,
-                               self.cluster, B_H, self.d_v, self.cluster_bf16, tidx, 256, mO, mLse, mML, mSink,
-                               flags, token, h_blk * B_H, mQ.shape[2])
+                n_merge = cm.merge_threads(self.rows, self.cluster, self.d_v, self.cluster_bf16, 256)
+                if const_expr(n_merge < 256):
+                    if tidx < n_merge:
+                        self._merge(mO, mLse, mML, mSink, flags, token, h_blk, split, sQ_ptr, storage, tidx, n_merge,
+                                    mQ.shape[2])
+                else:
+                    self._merge(mO, mLse, mML, mSink, flags, token, h_blk, split, sQ_ptr, storage, tidx, n_merge,
+                                mQ.shape[2])
                 # no CTA exits while a peer reads its smem (every DSMEM load's value was consumed by
                 # the stores above, so the arrival need not release anything)
                 cm.cluster_sync(False)
             if const_expr(self.fused):
                 dd.fused_tail(mCnt, token * n_hblk + h_blk, n_splits, tidx, mO, mLse, mML, mOF, mLseF, mMLF, mSink,
                               flags, token, h_blk * B_H, B_H, self.d_v)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _merge(self, mO, mLse, mML, mSink, flags, token, h_blk, split, sQ_ptr, storage, tidx, n_merge: cutlass.Constexpr,
+               h_q):
+        """This CTA's slice of the row's heads, merged from the cluster's staged partials."""
+        cm.merge_slice(dev.smem_addr_u32(sQ_ptr), dev.smem_addr_u32(storage.sStats.data_ptr()), split,
+                       self.cluster, self.rows, self.d_v, self.cluster_bf16, tidx, n_merge, mO, mLse, mML, mSink,
+                       flags, token, h_blk * self.rows, h_q)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -389,8 +412,8 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         l1 = l1 + sL[(1 - wg) * B_H + row1]
 
         h_q = mLse.shape[2]
-        head0 = h_blk * B_H + row0
-        head1 = h_blk * B_H + row1
+        head0 = h_blk * self.rows + row0
+        head1 = h_blk * self.rows + row1
         sink_term0 = Float32(0.0)
         sink_term1 = Float32(0.0)
         if const_expr(not self.split):
@@ -409,15 +432,23 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
             # producer is done): the rows staged 16-byte padded (bank-conflict free) -- for the
             # cluster merge, or (bf16) for one bulk copy per head row
             my_row = Int32(cutlass.select_(odd, row1, row0))
-            for g in cutlass.range_constexpr(cute.size(acc_o) // 4):
-                v0, v1, v2, v3 = dev.quad_pair_v4(acc_o, g, odd)
-                cm.stage_o_v4(x_addr, my_row, col0 + 8 * g, v0, v1, v2, v3, self.d_v,
-                              self.cluster_bf16 if const_expr(self.cluster_dsmem) else True)
+            bf16 = self.cluster_bf16 if const_expr(self.cluster_dsmem) else True
+            if const_expr(self.rows < B_H):
+                if my_row < self.rows:  # the zero rows are not staged
+                    cm.stage_o_rows(x_addr, acc_o, my_row, col0, odd, self.d_v, bf16)
+            else:
+                cm.stage_o_rows(x_addr, acc_o, my_row, col0, odd, self.d_v, bf16)
         if const_expr(self.cluster_dsmem):
             if wg == 1:
                 if lane_quad == 0:
-                    cm.stage_row_stats(stats_addr, row0, B_H, l0, rM[0])
-                    cm.stage_row_stats(stats_addr, row1, B_H, l1, rM[1])
+                    if const_expr(self.rows < B_H):
+                        # 32 rows: the quads of warp 0 .. 1 hold rows 0 .. 31 as row0 (row1 = row0 + 8)
+                        if row1 < self.rows:
+                            cm.stage_row_stats(stats_addr, row0, self.rows, l0, rM[0])
+                            cm.stage_row_stats(stats_addr, row1, self.rows, l1, rM[1])
+                    else:
+                        cm.stage_row_stats(stats_addr, row0, self.rows, l0, rM[0])
+                        cm.stage_row_stats(stats_addr, row1, self.rows, l1, rM[1])
         else:
             n_tok = n_tokens_of(mLse, self.split)
             tid = wg * 128 + idx_in_wg
