@@ -483,7 +483,7 @@ def test_decode_no_recompile_across_batch_sizes(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("s_q,h_q", [(8, 128), (300, 16), (5, 32), (40, 64)])
+@pytest.mark.parametrize("s_q,h_q", [(8, 128), (300, 16), (5, 32), (40, 64), (1, 128), (2, 64)])  # the last two: 32-head CTAs in clusters
 def test_fwd_routes_small_s_q_through_decode(s_q, h_q, monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     case = make_case(s_q, h_q, 576, 3000, 512, device="cuda", topk_length=True, sink="finite")
