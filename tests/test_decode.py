@@ -638,7 +638,7 @@ def test_cluster_rows_rule(monkeypatch):
     monkeypatch.setenv(decode_host.ENV_CLUSTER_ROWS, " 64 ")
     assert decode_host.cluster_rows() == 64 and rule(plan(128), 16, "bf16") == 64
     monkeypatch.setenv(decode_host.ENV_CLUSTER_ROWS, "16")
-    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_ROWS='16': expected 32 or 64"):
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_ROWS='16': expected one of 32, 64"):
         rule(plan(128), 16, "bf16")
     assert rule(plan(128), 0, "bf16") == 64  # (read only for cluster plans)
 

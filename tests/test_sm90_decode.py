@@ -113,6 +113,24 @@ def run(c, sm_scale=None, plan=None, poison=True, **kw):
     return res[0], res[1], sm_scale  # (+ plan.max_logits with a with_max_logits plan)
 
 
+def bitwise_across_knob(monkeypatch, c, env, values, make_plan):
+    """Run ``c`` once per value of the plan-time knob ``env`` (``make_plan(value)`` makes and
+    checks the plan; its outputs and partials are poisoned before the call), assert that out, lse
+    and max_logits are bitwise equal across the values and that the last value's match the
+    reference."""
+    res = {}
+    for v in values:
+        monkeypatch.setenv(env, v)
+        plan = make_plan(v)
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        res[v] = (out.clone(), lse.clone(), plan.max_logits.clone())
+    for a, b_ in zip(res[values[0]], res[values[-1]]):
+        assert torch.equal(a, b_)
+    last = res[values[-1]]
+    check(last[0], last[1], want_of(c, sc, with_ml=True), c, ml=last[2])
+
+
 # ---------------------------------------------------------------------------------------------
 # Decode
 # ---------------------------------------------------------------------------------------------
@@ -202,17 +220,13 @@ def test_decode_cluster_rows32_is_bitwise_rows64(h, b, s_q, topk, d, parts, spli
     monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "cluster")
     monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
     c = dcase(b, s_q, h, topk, d=d, tl="b", sink=True, bias=True, seed=29 + h + b + d)
-    res = {}
-    for rows in ("64", "32"):
-        monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_ROWS", rows)
+
+    def make_plan(rows):
         plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=splits)
         assert plan.state["cluster"] == plan.num_splits and plan.state["rows"] == int(rows)
-        plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)
-        res[rows] = (out.clone(), lse.clone(), plan.max_logits.clone())
-    for a, b_ in zip(res["64"], res["32"]):
-        assert torch.equal(a, b_)
-    check(res["32"][0], res["32"][1], want_of(c, sc, with_ml=True), c, ml=res["32"][2])
+        return plan
+
+    bitwise_across_knob(monkeypatch, c, "MLA_KERNELS_DECODE_CLUSTER_ROWS", ("64", "32"), make_plan)
     monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_ROWS", "48")
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_CLUSTER_ROWS"):
         mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", num_splits=splits)
@@ -311,18 +325,14 @@ def test_decode_rings_are_bitwise_equal(h, b, s_q, d, topk, splits, combine, mon
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
     c = dcase(b, s_q, h, topk, d=d, block_table=True, tl="bs", sink=True, bias=True, seed=29 * h + d + topk)
-    res = {}
-    for ring in ("fixed", "alt"):
-        monkeypatch.setenv("MLA_KERNELS_DECODE_RING", ring)
+
+    def make_plan(ring):
         plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True,
                               num_splits=None if splits == 1 else splits)
         assert plan.state["ring"] == ring and plan.num_splits == splits
-        plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)
-        res[ring] = (out.clone(), lse.clone(), plan.max_logits.clone())
-    for a, b_ in zip(res["fixed"], res["alt"]):
-        assert torch.equal(a, b_)
-    check(res["alt"][0], res["alt"][1], want_of(c, sc, with_ml=True), c, ml=res["alt"][2])
+        return plan
+
+    bitwise_across_knob(monkeypatch, c, "MLA_KERNELS_DECODE_RING", ("fixed", "alt"), make_plan)
     monkeypatch.delenv("MLA_KERNELS_DECODE_RING")
     assert mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda",
                           num_splits=None if splits == 1 else splits).state["ring"] == (
@@ -346,18 +356,14 @@ def test_decode_o_bulk_is_bitwise_regs(h, b, s_q, d, block_table, splits, parts,
     monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
     monkeypatch.setenv("MLA_KERNELS_DECODE_PARTS", parts)
     c = dcase(b, s_q, h, 640, d=d, block_table=block_table, tl="bs", sink=True, bias=h == 64, seed=17 * h + d)
-    res = {}
-    for mode in ("regs", "bulk"):
-        monkeypatch.setenv("MLA_KERNELS_DECODE_O", mode)
+
+    def make_plan(mode):
         plan = mk.decode_plan(b, s_q, h, 640, d_qk=d, device="cuda", with_max_logits=True,
                               num_splits=None if splits == 1 else splits)
         assert plan.state["o_mode"] == mode and plan.num_splits == splits
-        plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)  # (out, lse and the partials poisoned by run)
-        res[mode] = (out.clone(), lse.clone(), plan.max_logits.clone())
-    for a, b_ in zip(res["regs"], res["bulk"]):
-        assert torch.equal(a, b_)
-    check(res["bulk"][0], res["bulk"][1], want_of(c, sc, with_ml=True), c, ml=res["bulk"][2])
+        return plan
+
+    bitwise_across_knob(monkeypatch, c, "MLA_KERNELS_DECODE_O", ("regs", "bulk"), make_plan)
     monkeypatch.setenv("MLA_KERNELS_DECODE_O", "bogus")
     with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_O"):
         mk.decode_plan(b, s_q, h, 640, d_qk=d, device="cuda")

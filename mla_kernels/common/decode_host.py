@@ -434,9 +434,8 @@ def page_div_emulated(n, page_mul: int, page_shift: int):
 
 
 ENV_CLUSTER_ROWS = "MLA_KERNELS_DECODE_CLUSTER_ROWS"
-
-
-DEFAULT_CLUSTER_ROWS = 32
+CLUSTER_ROWS = ("32", "64")
+DEFAULT_CLUSTER_ROWS = "32"
 
 
 def cluster_rows() -> int:
@@ -446,12 +445,7 @@ def cluster_rows() -> int:
     each CTA pulls half the bytes in the merge -- used when twice the plan's clusters fit on the
     GPU at once (b 1 at h_q 64 / 128 on an H200: 10-11% faster steps, bitwise the same outputs;
     docs/PERF.md), else 64."""
-    import os
-
-    v = os.environ.get(ENV_CLUSTER_ROWS, str(DEFAULT_CLUSTER_ROWS)).strip()
-    if v not in ("32", "64"):
-        raise ValueError(f"{ENV_CLUSTER_ROWS}={v!r}: expected 32 or 64")
-    return int(v)
+    return int(fastpath.knob_choice(ENV_CLUSTER_ROWS, CLUSTER_ROWS, DEFAULT_CLUSTER_ROWS))
 
 
 def cluster_rows_for(plan, cluster: int, staging: str) -> int:
