@@ -63,7 +63,9 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bo
         T = b * s_q
         topk = idx.shape[2]
         if cluster and not cluster_l2:  # the row's CTAs merge over DSMEM and write the direct mode's outputs
-            assert split and n_splits == cluster and h % 64 == 0
+            # (the 64-head kernel's rows of 64 heads, or the narrow kernel's token of h_q heads,
+            # which the cluster's CTAs merge h_q / cluster heads each)
+            assert split and n_splits == cluster and (h % 64 == 0 or (h <= 32 and h % cluster == 0))
             assert out.shape == (b, s_q, h, 512) and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
             assert not (flags & dh.F_SINK) or sink.shape == (h,)
         elif split:
@@ -154,6 +156,9 @@ def emulated_compilers(calls: Calls):
                                                                        kw.get("cluster_l2", False),
                                                                        kw.get("pagediv", dh.DEFAULT_PAGEDIV))),
         lambda d_qk, h_q, split, arch, **kw: (None, make_decode_kernel(d_qk, h_q, split, calls, kw.get("fused", False),
-                                                                       pagediv=kw.get("pagediv", dh.DEFAULT_PAGEDIV))),
+                                                                       kw.get("cluster", 0),
+                                                                       kw.get("cluster_bf16", False),
+                                                                       kw.get("cluster_l2", False),
+                                                                       kw.get("pagediv", dh.DEFAULT_PAGEDIV))),
         lambda d_v, i, o, arch, **kw: (None, make_combine(d_v, i, o, calls)),
     )

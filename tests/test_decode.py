@@ -297,7 +297,8 @@ def emulated_sm90(monkeypatch):
 @pytest.mark.parametrize("h,num_splits,combine", [(16, 1, "separate"), (16, 3, "separate"), (128, 1, "separate"),
                                                   (64, 4, "separate"), (16, 3, "fused"), (128, 2, "fused"),
                                                   (128, 4, "cluster"), (64, 2, "auto"), (64, 3, "cluster"),
-                                                  (16, 2, "cluster"), (128, 4, "cluster-l2")])
+                                                  (16, 2, "cluster"), (128, 4, "cluster-l2"), (16, 4, "auto"),
+                                                  (32, 2, "cluster-l2")])
 @pytest.mark.parametrize("opts", ["none", "all", "bt_tl2"])
 def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, combine, opts, monkeypatch):
     l2 = combine == "cluster-l2"  # the cluster merge with the partials through the workspace
@@ -327,10 +328,13 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     out, lse, ml = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, tl, sink, q_bias=bias, plan=plan, **kw)
     kinds = [c[0] for c in emulated_sm90.calls.log]
     fused = plan.split and combine == "fused"
-    # the cluster merge serves the 64-head kernel's split counts 2/4/8/16 (else: the combine kernel)
-    cluster = plan.split and combine in ("cluster", "auto") and h % 64 == 0 and plan.num_splits in (2, 4, 8, 16)
+    # the cluster merge serves split counts 2/4/8/16 -- the narrow kernel's where they divide h_q
+    # and the staging is DSMEM -- (else: the combine kernel)
+    cluster = plan.split and combine in ("cluster", "auto") and plan.num_splits in (2, 4, 8, 16)
+    cluster = cluster and (h % 64 == 0 or (h % plan.num_splits == 0 and not l2))
     # auto: only if the rows' clusters fit at once (on the CPU: the documented fallback capacity)
-    cluster = cluster and (combine == "cluster" or b * s_q * h // 64 <= 132 // plan.num_splits // 2)
+    rows = b * s_q * (h // 64 if h % 64 == 0 else 1)
+    cluster = cluster and (combine == "cluster" or rows <= 132 // plan.num_splits // 2)
     assert plan.state["cluster"] == (plan.num_splits if cluster else 0)
     assert (plan.out_parts is None) == ((cluster and not l2) or not plan.split)
     assert plan.state["cluster_l2"] == (cluster and l2)
@@ -644,9 +648,9 @@ def test_cluster_rows_rule(monkeypatch):
 
 
 def test_cluster_knobs_and_size_rule(monkeypatch):
-    """The cluster merge (one launch, the splits of a row merged over DSMEM) serves the 64-head
-    kernel's split counts 2/4/8/16 up to MLA_KERNELS_DECODE_CLUSTER_MAX; every other plan keeps
-    the combine kernel."""
+    """The cluster merge (one launch, the splits of a row merged over DSMEM) serves split counts
+    2/4/8/16 up to MLA_KERNELS_DECODE_CLUSTER_MAX (the narrow kernel's only where they divide
+    h_q); every other plan keeps the combine kernel."""
     for env in (decode_host.ENV_CLUSTER_MAX, decode_host.ENV_CLUSTER_PARTS):
         monkeypatch.delenv(env, raising=False)
     assert decode_host.cluster_knobs() == (16, "bf16")
@@ -690,7 +694,14 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     assert size(plan(128, 16, 2, 2), "cluster", 16) == 16 and size(plan(64, 16, 16), "cluster", 16) == 16
     assert [size(plan(64, n), "cluster", 8) for n in (8, 16)] == [8, 0]
     assert size(plan(128, 6), "cluster", 16) == 0  # not a cluster size: the combine kernel
-    assert size(plan(16, 16), "cluster", 16) == 0  # the narrow kernel has no cluster merge
+    # the narrow kernel (one row per token): its own split count when it divides h_q (no re-split)
+    # and the staging is a DSMEM one
+    assert [size(plan(16, n), "auto", 16) for n in (2, 4, 8, 16)] == [2, 4, 8, 16]
+    assert [size(plan(8, n), "auto", 16) for n in (8, 16)] == [8, 0]  # 16 splits cannot share 8 heads
+    assert size(plan(24, 8), "auto", 16) == 8 and size(plan(24, 16), "cluster", 16) == 0
+    assert size(plan(32, 16), "auto", 16, "l2") == 0 and size(plan(32, 16), "cluster", 16, "f32") == 16
+    assert [size(plan(16, 16, b), "auto", 16) for b in (7, 8)] == [16, 0]  # 7 clusters of 16 fit
+    assert size(plan(16, 32), "auto", 16) == 0  # 32 splits: no cluster size, no re-split for h_q < 64
     assert size(plan(128, 16), "separate", 16) == 0 and size(plan(128, 16), "fused", 16) == 0
 
 

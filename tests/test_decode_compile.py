@@ -12,7 +12,8 @@ SMEM_LIMIT = 232448
 NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_d576_h64_direct", "sm90_decode_d576_h64_direct_fixed",
          "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
          "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
-         "sm90_decode_d576_h128_cluster16_l2", "sm90_decode_d576_h128_cluster16_rows32"}
+         "sm90_decode_d576_h128_cluster16_l2", "sm90_decode_d576_h128_cluster16_rows32",
+         "sm90_decode_narrow_d576_h16_cluster16", "sm90_decode_narrow_d512_h32_cluster8_f32"}
 
 
 def q_chunks(h: int, d_qk: int = 576) -> int:
@@ -176,6 +177,37 @@ def test_cluster_merge_through_l2(report):
     assert sass.get("STG.E.128", 0) >= 32 and sass.get("LD.E.128", 0) == 0
     assert sass.get("UCGABAR_ARV", 0) == 2 and sass.get("UCGABAR_WAIT", 0) == 2 and sass.get("MEMBAR.ALL.GPU", 0) == 1
     assert sass.get("LDG.E.128", 0) >= 36 + 16
+
+
+@pytest.mark.parametrize("name,h,n,d,bf16", [("sm90_decode_narrow_d576_h16_cluster16", 16, 16, 576, True),
+                                              ("sm90_decode_narrow_d512_h32_cluster8_f32", 32, 8, 512, False)])
+def test_narrow_cluster_merge(report, name, h, n, d, bf16):
+    """The narrow (heads-on-N) split kernel whose splits of a token run as one cluster and merge
+    over DSMEM: the decode itself unchanged (the same HGMMAs and gather copies as the narrow
+    split kernel), 0 spills, two cluster barriers on each warp role's path, one 16-byte DSMEM
+    load per peer and chunk of the merging thread's columns, no float32 partial rows in global
+    memory."""
+    r = report[name]
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT and r["spill_bytes"] == 0
+    sass, base = _common(r)
+    n_k = d // 64
+    assert sass.get(f"HGMMA.64x{h}x16.F32.BF16", 0) == 2 * (4 * n_k + 32)
+    assert base.get("LDGSTS", 0) == 8 * n_k + q_chunks(h, d)
+    assert sass.get("UCGABAR_ARV", 0) == 4 and 4 <= sass.get("UCGABAR_WAIT", 0) <= 6
+    assert sass.get("LD.E.128", 0) >= n  # ld.shared::cluster of the peers' rows: at least one per peer
+    # no float32 partial rows: the only 16-byte global stores are the bf16-staged merge's output
+    # columns (8 bf16; float32 staging merges 4 columns per chunk: 8-byte stores)
+    assert sass.get("STG.E.128", 0) <= (2 if bf16 else 0)
+
+
+def test_narrow_cluster_refusals():
+    """A narrow cluster that cannot split the heads evenly, or an L2-staged one, is refused."""
+    from mla_kernels.sm90 import compile_decode_narrow
+
+    with pytest.raises(ValueError, match="h_q % cluster == 0"):
+        compile_decode_narrow(576, 8, True, "sm_90a", cluster=16)
+    with pytest.raises(ValueError, match="over DSMEM only"):
+        compile_decode_narrow(576, 16, True, "sm_90a", cluster=16, cluster_l2=True)
 
 
 def test_producer_divides_by_the_page_size_with_constants():

@@ -205,6 +205,45 @@ def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
 
 
 @pytest.mark.parametrize("h,b,s_q,topk,d,parts,splits", [
+    (16, 1, 1, 2048, 576, "bf16", None),  # the narrow kernel's b 1: one cluster of 16 (the default rule)
+    (16, 1, 1, 2048, 576, "f32", None),
+    (32, 1, 2, 640, 576, "bf16", 4),  # an MTP pair, 10 blocks over 4 splits (3, 3, 3, 1)
+    (32, 3, 1, 2048, 576, "f32", 16),  # 2 heads merged per CTA
+    (8, 2, 1, 512, 512, "bf16", 8),  # d_qk 512, one head per CTA
+    (24, 1, 1, 200, 576, "f32", 8),  # 3 heads per CTA, a partial last block
+    (8, 2, 2, 256, 576, "bf16", 2),
+])
+def test_decode_narrow_cluster_merge(h, b, s_q, topk, d, parts, splits, monkeypatch):
+    """h_q 8..32 (heads on the MMA's N side): the split CTAs of a token run as one cluster and
+    merge over DSMEM (one launch, no float32 workspace, no combine kernel) -- with topk_length
+    (empty rows and splits), sink, q_bias, max_logits, invalid / duplicate slots, poisoned
+    outputs; bitwise-equal repeats, and the combine kernel's result to bf16 rounding."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.delenv("MLA_KERNELS_DECODE_COMBINE", raising=False)  # auto picks the cluster
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
+    c = dcase(b, s_q, h, topk, d=d, tl="b", sink=True, bias=True, seed=41 + h + b + d)
+    plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=splits)
+    assert plan.num_splits > 1 and plan.state["cluster"] == plan.num_splits and plan.out_parts is None
+    first = None
+    for rep in range(2):
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
+        if first is None:
+            first = (out.clone(), lse.clone())
+        else:
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
+    sep = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=splits)
+    assert sep.state["cluster"] == 0
+    o2, l2, _ = run(c, plan=sep)
+    assert rel_l2(o2.float(), first[0].float()) < (1e-2 if parts == "bf16" else 2e-3)
+    fin = torch.isfinite(l2)
+    assert torch.equal(fin, torch.isfinite(first[1]))
+    assert ((l2[fin] - first[1][fin]).abs() <= 1e-5 * l2[fin].abs().clamp_min(1)).all()
+
+
+@pytest.mark.parametrize("h,b,s_q,topk,d,parts,splits", [
     (128, 1, 1, 2048, 576, "bf16", None),  # b 1: 4 rows of 32 heads, clusters of 16
     (64, 1, 2, 640, 576, "f32", 4),  # an MTP pair at h 64, float32 staging, clusters of 4
     (128, 2, 1, 512, 512, "bf16", 4),  # d_qk 512, clusters of 4 (8 heads per CTA to merge)

@@ -67,6 +67,12 @@ EXTRA = [
     ("b24-sq1-h64", 24, 1, 64, 2048, 32768, 64),  # 24 rows: 5 splits, the combine kernel
     ("b2-sq1-h64", 2, 1, 64, 2048, 32768, 64),  # 2 rows: 16 splits, clusters of 16 (of 32-head CTAs)
     ("b1-sq2-h64", 1, 2, 64, 2048, 32768, 64),  # likewise, an MTP pair
+    # the narrow kernel's small batches: 16 splits, one cluster of 16 per token where they fit
+    ("b2-sq1-h16", 2, 1, 16, 2048, 32768, 64),
+    ("b4-sq1-h16", 4, 1, 16, 2048, 32768, 64),
+    ("b1-sq2-h32", 1, 2, 32, 2048, 32768, 64),
+    ("b4-sq1-h32", 4, 1, 32, 2048, 32768, 64),
+    ("b1-sq1-h8", 1, 1, 8, 2048, 32768, 64),  # 16 splits cannot share 8 heads: the combine kernel
 ]
 QUICK = [
     ("quick-b2-h16", 2, 1, 16, 128, 1024, 16),

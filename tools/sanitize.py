@@ -93,7 +93,8 @@ GROUPS = (
                                              "decode_narrow_fused_h16", "decode_cluster4_h128",
                                              "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2",
                                              "decode_auto_cluster8_h128", "decode_cluster4_h128_rows32",
-                                             "decode_cluster16_h64_rows32", "merge")),
+                                             "decode_cluster16_h64_rows32", "decode_narrow_cluster16_h16",
+                                             "decode_narrow_cluster4_h32_f32", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 #: ``--ops``: the comma-separated ops each group keeps (the sanitized processes read it from here)
@@ -367,6 +368,11 @@ def _decode_steps(g: Group, step, dev) -> None:
         run("decode_cluster4_h128_rows32", 128, 576, 4, "cluster", rows32)
     if "decode_cluster16_h64_rows32" in g.ops:  # b 1's shape: clusters of 16, 2 blocks per CTA
         run("decode_cluster16_h64_rows32", 64, 576, 16, "cluster", rows32, topk=2048, b=1)
+    if "decode_narrow_cluster16_h16" in g.ops:  # the narrow kernel's b 1 shape: one cluster of 16, bf16 staging
+        run("decode_narrow_cluster16_h16", 16, 576, 16, "cluster", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"},
+            topk=2048, b=1)
+    if "decode_narrow_cluster4_h32_f32" in g.ops:  # 6 clusters of 4, float32 staging, 8 heads merged per CTA
+        run("decode_narrow_cluster4_h32_f32", 32, 576, 4, "cluster", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "f32"})
     if "decode_auto_cluster8_h128" in g.ops:
         # the default rule at b 2, s_q 2 (the first 2 requests): 8 rows of 64 heads, 16-CTA
         # clusters do not all fit on an H100 / H200, so 8 splits in clusters of 8 (bf16 staging)

@@ -93,11 +93,13 @@ def stage_o_rows(x_addr: Int32, acc_o: cute.Tensor, row: Int32, col0: Int32, odd
 
 def merge_threads(n_rows: int, n: int, d_v: int, bf16: bool, max_threads: int) -> int:
     """Threads :func:`merge_slice` runs on for ``n_rows`` heads over ``n`` CTAs: ``n_rows / n``
-    heads, each on as many threads as it has 16-byte chunks per row (at most, and at least ``n``
-    and a whole number of warps), within ``max_threads``."""
+    heads, each on as many threads as it has 16-byte chunks per row (at most -- a power of two, so
+    that it divides them --, and at least ``n`` and a whole number of warps), within
+    ``max_threads`` (e.g. 3 heads of the narrow kernel's 24 over 8 CTAs: 64 threads each)."""
     hp = n_rows // n
     chunks = d_v // (8 if bf16 else 4)
     tph = min(chunks, max_threads // hp)
+    tph = 1 << (tph.bit_length() - 1)  # (a power of two already unless hp is not one)
     assert hp * n == n_rows and tph >= n and chunks % tph == 0 and (tph * hp) % 32 == 0, (n_rows, n, tph)
     return tph * hp
 

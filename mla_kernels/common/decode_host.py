@@ -179,8 +179,9 @@ def combine_mode() -> str:
     splits instead of more -- :func:`cluster_size_for` --, else ``separate``), ``separate``
     (the combine kernel after the decode kernel, two launches), ``fused`` (one launch: the last
     CTA of each row merges it) or ``cluster`` (one launch: the row's split CTAs run as one
-    thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; 64-head kernel, split
-    counts 2/4/8/16 only -- other plans fall back to ``separate``).  docs/PERF.md says which
+    thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; split counts
+    2/4/8/16, for the narrow kernel only those dividing h_q -- other plans fall back to
+    ``separate``).  docs/PERF.md says which
     measures faster."""
     return fastpath.knob_choice(ENV_COMBINE, COMBINE_MODES, DEFAULT_COMBINE)
 
@@ -214,9 +215,11 @@ def cluster_capacity(device: torch.device, cluster: int, num_sms: int) -> int:
     return n if n is not None else num_sms // cluster // 2
 
 
-def cluster_size_for(plan, mode: str, max_cluster: int) -> int:
-    """The cluster size a plan's kernel runs with (0: none); only the 64-head kernel merges in
-    clusters, of 2, 4, 8 or 16 CTAs, at most ``max_cluster``:
+def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_CLUSTER_PARTS) -> int:
+    """The cluster size a plan's kernel runs with (0: none): clusters of 2, 4, 8 or 16 CTAs, at
+    most ``max_cluster``.  The narrow kernel (h_q 8..32, one CTA row per token) merges in clusters
+    of its own split count only (no re-split), when that count divides h_q and ``staging`` is a
+    DSMEM one (``bf16`` / ``f32``; it has no L2 staging).  The 64-head kernel:
 
     * ``cluster``: the plan's split count when it is such a size (whether or not all clusters fit
       at once -- those that do not wait for a free GPC);
@@ -227,14 +230,19 @@ def cluster_size_for(plan, mode: str, max_cluster: int) -> int:
     """
     from ..decode import device_sm_count
 
-    if mode not in ("cluster", "auto") or plan.num_splits <= 1 or plan.h_q in NARROW_HEADS:
+    if mode not in ("cluster", "auto") or plan.num_splits <= 1:
         return 0
     n = plan.num_splits
     ok = n in CLUSTER_SIZES and n <= max_cluster
+    narrow = plan.h_q in NARROW_HEADS
+    if narrow:
+        ok = ok and plan.h_q % n == 0 and staging != "l2"
     if mode == "cluster":
         return n if ok else 0
-    rows = plan.b * plan.s_q * (plan.h_q // 64)
+    rows = plan.b * plan.s_q * (1 if narrow else plan.h_q // 64)
     sms = device_sm_count(plan.device)
+    if narrow:  # (its smem also holds one CTA per SM: the same capacities)
+        return n if ok and rows <= cluster_capacity(plan.device, n, sms) else 0
     if ok and rows <= cluster_capacity(plan.device, n, sms):
         return n
     c = AUTO_RESPLIT
@@ -491,7 +499,7 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
     fused = split and mode == "fused"
     plan.state["fused"] = fused
     max_cluster, staging = cluster_knobs()
-    cluster = cluster_size_for(plan, mode, max_cluster)
+    cluster = cluster_size_for(plan, mode, max_cluster, staging)
     if cluster and cluster != plan.num_splits:
         # auto: fewer splits, merged in clusters that fit (cluster_size_for)
         n_blocks = max(1, -(-plan.topk // 64))

@@ -165,18 +165,25 @@ def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_pr
 
 
 def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_prefetch: int = 128,
-                          fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, **kw):
+                          fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, cluster: int = 0,
+                          cluster_bf16: bool = False, cluster_l2: bool = False, **kw):
     """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed);
     ``fused`` (split only): the combine folded in; ``parts_bf16`` (split, not fused): bf16 partial
-    outputs."""
+    outputs; ``cluster`` (split only: 2, 4, 8 or 16 dividing h_q): a token's splits merge over
+    DSMEM as one cluster and the kernel writes the bf16 output (the direct mode's arguments),
+    ``cluster_bf16``: the staged partials in bf16.  ``cluster_l2`` (the 64-head kernel's L2
+    staging) is not built for this kernel: a ValueError."""
     from ..common.decode_host import compile_decode_kernel
     from .decode_narrow import SparseMlaDecodeNarrowSm90, SparseMlaDecodeNarrowSm90Fused
 
     fused = fused and split
+    cluster = cluster if split and not fused else 0
+    if cluster and cluster_l2:
+        raise ValueError("the narrow decode kernel merges clusters over DSMEM only (no L2 staging)")
     kernel = (SparseMlaDecodeNarrowSm90Fused(d_qk, h_q, l2_prefetch=l2_prefetch, evict_first=evict_first) if fused
               else SparseMlaDecodeNarrowSm90(d_qk, h_q, split, l2_prefetch=l2_prefetch, evict_first=evict_first,
-                                             parts_bf16=parts_bf16))
-    return compile_decode_kernel(kernel, d_qk, h_q, split, arch, fused=fused, **kw)
+                                             parts_bf16=parts_bf16, cluster=cluster, cluster_bf16=cluster_bf16))
+    return compile_decode_kernel(kernel, d_qk, h_q, split and not cluster, arch, fused=fused, **kw)
 
 
 def compile_combine(d_v: int, in_dtype: str = "f32", out_dtype: str = "bf16", arch: str = "sm_90a",

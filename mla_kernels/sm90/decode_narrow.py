@@ -22,6 +22,11 @@ One CTA per (decode token, split); 384 threads:
   holds exactly the positions thread ``t`` of WG1 holds), WG0 merges, reduces the softmax sums
   and writes the split's float32 partial (split mode) or the bf16 output with the sink (direct
   mode), lse and optionally max_logits.
+* ``cluster`` (split mode): a token's split CTAs run as one thread-block cluster; each stages its
+  normalised partial (float32 in place, or rounded to bf16) and its lse / max logit per head in
+  its own smem, and after a cluster barrier merges ``h_q / cluster`` heads from every peer over
+  DSMEM (``common/cluster_merge.py``, shared with the 64-head kernel): one launch, no combine
+  kernel, the bf16 output written like direct mode.
 
 Softmax in base 2 with ``sm_scale * log2(e)`` folded (as in the forward); lse in natural log.
 """
@@ -36,6 +41,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.common import OperandMajorMode
 
+from ..common import cluster_merge as cm
 from ..common import decode_device as dd
 from ..common import decode_parts as dp
 from ..common import device as dev
@@ -58,7 +64,8 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
     """Static configuration + host launcher + device kernel of the sm90 decode for h_q <= 32."""
 
     def __init__(self, d_qk: int, h_q: int, split: bool, d_v: int = 512, l2_prefetch: int = 128,
-                 fused: bool = False, evict_first: bool = False, parts_bf16: bool = False):
+                 fused: bool = False, evict_first: bool = False, parts_bf16: bool = False, cluster: int = 0,
+                 cluster_bf16: bool = False):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 narrow decode supports d_qk 512 or 576, got {d_qk}")
         if h_q not in HEADS:
@@ -73,7 +80,17 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         self.fused = fused and split
         # split mode, not fused: bf16 partial outputs (the combine reads half the bytes)
         self.parts_bf16 = parts_bf16 and split and not self.fused
-        self.f32_out = split and not self.parts_bf16  # O stored as float32 (else bf16)
+        # split mode: the token's splits run as one cluster of ``cluster`` CTAs and merge over DSMEM
+        # (each CTA merges h_q / cluster heads); the kernel then writes the bf16 output like direct
+        # mode.  ``cluster_bf16``: the staged partials rounded to bf16 (half the DSMEM bytes)
+        if cluster and (not split or self.fused or self.parts_bf16 or cluster not in cm.CLUSTER_SIZES
+                        or h_q % cluster):
+            raise ValueError(f"narrow cluster merge needs split mode, float32 parts, a size in {cm.CLUSTER_SIZES} "
+                             f"and h_q % cluster == 0 (h_q {h_q}, cluster {cluster})")
+        self.cluster = cluster if split else 0
+        self.cluster_bf16 = cluster_bf16 and bool(self.cluster)
+        self.n_merge = cm.merge_threads(h_q, self.cluster, d_v, self.cluster_bf16, 256) if self.cluster else 0
+        self.f32_out = split and not self.parts_bf16 and not self.cluster  # O stored as float32 (else bf16)
         self.l2_prefetch = l2_prefetch  # the gather's L2 prefetch size (decode_parts.PagedKvGather)
         self.evict_first = evict_first  # the gather's L2 policy: evict_first instead of evict_last
         # how the gather divides a position by the page size: "generic" (the compiler's division)
@@ -142,6 +159,8 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
             sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * 4 * h], 16]  # [wg][slot][warp][h]
             sFin: cute.struct.Align[cute.struct.MemRange[Float32, 4 * h], 16]  # [warp][h]
             sState: cute.struct.Align[cute.struct.MemRange[Float32, n_state], 16]
+            # cluster merge: this CTA's staged lse (h) and max logits (h)
+            sStats: cute.struct.Align[cute.struct.MemRange[Float32, 2 * h if self.cluster else 1], 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()
         assert self.smem_bytes <= SMEM_LIMIT, f"smem {self.smem_bytes} > {SMEM_LIMIT}"
@@ -149,17 +168,18 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         b, s_q = mQ.shape[0], mQ.shape[1]
         n_tok = b * s_q
         mKV2, mIdx2 = dd.flat_views(mKV, mIdx, n_tok, d_qk)
-        self.kernel(
+        launch = self.kernel(
             mQ, mBias, mKV2, mIdx2, mBT, mTL, mSink, mO, mLse, mML, mOF, mLseF, mMLF, mCnt, scale_log2, flags,
             page_size, page_mul, page_shift, tl_stride_b, tl_stride_s, n_splits, blocks_per_split,
             sQ_layout, sK_layout, sP_layout, SharedStorage,
-        ).launch(
-            grid=[n_tok * n_splits, 1, 1],
-            block=[THREADS, 1, 1],
-            smem=self.smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=1,
         )
+        if const_expr(self.cluster):
+            # one cluster per token: its split CTAs are consecutive blocks (n_splits == self.cluster)
+            launch.launch(grid=[n_tok * n_splits, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
+                          smem=self.smem_bytes, stream=stream, min_blocks_per_mp=1)
+        else:
+            launch.launch(grid=[n_tok * n_splits, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
+                          stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -204,6 +224,10 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         idx_in_wg = tidx % 128
         split = bidx % n_splits
         token = bidx // n_splits
+        if const_expr(self.cluster):
+            # a cluster per token: the split is the CTA's rank in the cluster (consecutive bidx)
+            split = bidx % self.cluster
+            token = bidx // self.cluster
         s_q = mQ.shape[1]
         b_idx, s_in = dd.cta_coords(token, s_q)
 
@@ -245,6 +269,9 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
             )
             self.producer(gather, sK0_ptr, sK1_ptr, sValid, kb0, kb1, bar_valid0, bar_valid1, blk0, num_iters,
                           idx_in_wg, warp_idx % 4)
+            if const_expr(self.cluster):
+                cm.cluster_sync(False)  # the partials are staged (the producer wrote none of them)
+                cm.cluster_sync(False)  # the peers have read this CTA's smem
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             dp.cp_async_wait_all()  # this thread's Q copies (issued at the start) have landed
@@ -255,19 +282,42 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
                                                                                      8 * self.h)))
             sFin = storage.sFin.get_tensor(cute.make_layout((self.h, 4), stride=(1, self.h)))
             sState = storage.sState.get_tensor(cute.make_layout(2 * self.n_cols * 128))
+            stats_addr = dev.smem_addr_u32(storage.sStats.data_ptr())
             if wg == 0:
                 sK = storage.sK0.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
                 sP = storage.sP0.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
                 self.consumer(mSink, mO, mLse, mML, scale_log2, flags, sValid, sQ, sK, sP, sRed, sFin, sState,
-                              sK0_ptr, sK1_ptr, kb0, bar_valid0, split, token, num_iters, Int32(0), idx_in_wg)
+                              sK0_ptr, sK1_ptr, kb0, bar_valid0, split, token, num_iters, Int32(0), idx_in_wg,
+                              stats_addr)
             else:
                 sK = storage.sK1.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
                 sP = storage.sP1.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
                 self.consumer(mSink, mO, mLse, mML, scale_log2, flags, sValid, sQ, sK, sP, sRed, sFin, sState,
-                              sK0_ptr, sK1_ptr, kb1, bar_valid1, split, token, num_iters, Int32(1), idx_in_wg)
+                              sK0_ptr, sK1_ptr, kb1, bar_valid1, split, token, num_iters, Int32(1), idx_in_wg,
+                              stats_addr)
+            if const_expr(self.cluster):
+                cm.cluster_sync(True)  # every CTA of the token has staged its partial
+                if tidx < self.n_merge:
+                    self._merge(mO, mLse, mML, mSink, flags, token, split, sK0_ptr, sK1_ptr, stats_addr, tidx,
+                                mQ.shape[2])
+                # no CTA exits while a peer reads its smem (every DSMEM load's value was consumed by
+                # the stores above, so the arrival need not release anything)
+                cm.cluster_sync(False)
             if const_expr(self.fused):
                 dd.fused_tail(mCnt, token, n_splits, tidx, mO, mLse, mML, mOF, mLseF, mMLF, mSink, flags, token,
                               Int32(0), self.h, self.d_v)
+
+    # ------------------------------------------------------------------------------------------
+    def _staged_addr(self, sK0_ptr, sK1_ptr):
+        """Where a cluster CTA's normalised partial is staged: float32 rows in place over KV buffer
+        0 (the epilogue's staging), or bf16 rows over KV buffer 1 (free after the hand-over)."""
+        return dev.smem_addr_u32(sK1_ptr if const_expr(self.cluster_bf16) else sK0_ptr)
+
+    @cute.jit
+    def _merge(self, mO, mLse, mML, mSink, flags, token, split, sK0_ptr, sK1_ptr, stats_addr, tidx, h_q):
+        """This CTA's slice of the token's heads, merged from the cluster's staged partials."""
+        cm.merge_slice(self._staged_addr(sK0_ptr, sK1_ptr), stats_addr, split, self.cluster, self.h, self.d_v,
+                       self.cluster_bf16, tidx, self.n_merge, mO, mLse, mML, mSink, flags, token, Int32(0), h_q)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -336,6 +386,7 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         num_iters: Int32,
         wg: Int32,
         idx_in_wg: Int32,
+        stats_addr: Int32,
     ):
         """One consumer WG: its blocks (``2 it + wg``), then the hand-over / merge / epilogue."""
         h, nc = self.h, self.n_cols
@@ -459,17 +510,18 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
                         acc_o[fi, mt, 0] = acc_o[fi, mt, 0] * a0 + sO1[flat * 128 + idx_in_wg] * a1
             # every WG0 thread is done reading WG1's O^T before the staging overwrites it
             cute.arch.barrier(barrier_id=BAR_FIN, number_of_threads=128)
-            self._epilogue(mSink, mO, mLse, mML, flags, sFin, acc_o, rM, rL, thr_pv, sK0_ptr, split, token,
-                           idx_in_wg, warp_in_wg, lane, lane_quad)
+            self._epilogue(mSink, mO, mLse, mML, flags, sFin, acc_o, rM, rL, thr_pv, sK0_ptr, sK1_ptr, split, token,
+                           idx_in_wg, warp_in_wg, lane, lane_quad, stats_addr)
 
     @cute.jit
-    def _epilogue(self, mSink, mO, mLse, mML, flags, sFin, acc_o, rM, rL, thr_pv, sK0_ptr, split, token,
-                  idx_in_wg, warp_in_wg, lane, lane_quad):
+    def _epilogue(self, mSink, mO, mLse, mML, flags, sFin, acc_o, rM, rL, thr_pv, sK0_ptr, sK1_ptr, split, token,
+                  idx_in_wg, warp_in_wg, lane, lane_quad, stats_addr):
         """WG0: stage the merged O^T in smem (transposed to [head][d]), reduce the softmax sums,
         then per head: 1/l (with the sink in direct mode), lse, max_logits, and 16-byte stores of
-        the normalised rows (float32 partial or bf16)."""
+        the normalised rows (float32 partial or bf16) -- or, in a cluster, the normalised rows and
+        the lse / max logit staged in this CTA's smem for the merge."""
         h, nc = self.h, self.n_cols
-        n_tok = mLse.shape[1] if const_expr(self.split) else mLse.shape[0] * mLse.shape[1]
+        n_tok = mLse.shape[1] if const_expr(self.split and not self.cluster) else mLse.shape[0] * mLse.shape[1]
         # O^T (d, head) -> staging [head][d_v + 4] f32 over the free KV buffers (the pad keeps the
         # scattered fragment stores bank-conflict free); frees the accumulator's registers.
         stride = self.d_v + 4
@@ -505,21 +557,36 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
                         if dp.flag(flags, dp.F_SINK):
                             denom = l + cute.math.exp2(mSink[col] * dev.LOG2E - rM[j], fastmath=True)
                     sStage[inv_base + col] = Float32(cutlass.select_(nonempty, Float32(1.0) / denom, Float32(0.0)))
-                    dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h, col), l, rM[j], flags)
+                    if const_expr(self.cluster):
+                        cm.stage_row_stats(stats_addr, col, h, l, rM[j])
+                    else:
+                        dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h, col), l, rM[j], flags)
         cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=128)
-        base = dp.out_row_offset(split, n_tok, token, h, Int32(0), self.d_v) + Int64(4 * idx_in_wg)
         vec = cute.make_layout(4)
         rv = cute.make_rmem_tensor((4,), Float32)
-        rb = cute.make_rmem_tensor((4,), BFloat16)
-        for head in cutlass.range(h, unroll=4):
-            cute.autovec_copy(cute.make_tensor((sStage.iterator + (head * stride + 4 * idx_in_wg)).align(16), vec), rv)
-            rv.store(rv.load() * sStage[inv_base + head])
-            off = base + Int64(head) * self.d_v
-            if const_expr(self.f32_out):
-                cute.autovec_copy(rv, cute.make_tensor((mO.iterator + off).align(16), vec))
-            else:
-                rb.store(rv.load().to(BFloat16))
-                cute.autovec_copy(rb, cute.make_tensor((mO.iterator + off).align(8), vec))
+        if const_expr(self.cluster):
+            # the merge reads O / l: each thread normalises its 4 columns of every head row, in
+            # place (float32) or into bf16 rows over KV buffer 1
+            xb = self._staged_addr(sK0_ptr, sK1_ptr)
+            for head in cutlass.range(h, unroll=4):
+                cute.autovec_copy(cute.make_tensor((sStage.iterator + (head * stride + 4 * idx_in_wg)).align(16), vec),
+                                  rv)
+                inv = sStage[inv_base + head]
+                cm.stage_o_v4(xb, head, 4 * idx_in_wg, rv[0] * inv, rv[1] * inv, rv[2] * inv, rv[3] * inv, self.d_v,
+                              self.cluster_bf16)
+        else:
+            base = dp.out_row_offset(split, n_tok, token, h, Int32(0), self.d_v) + Int64(4 * idx_in_wg)
+            rb = cute.make_rmem_tensor((4,), BFloat16)
+            for head in cutlass.range(h, unroll=4):
+                cute.autovec_copy(cute.make_tensor((sStage.iterator + (head * stride + 4 * idx_in_wg)).align(16), vec),
+                                  rv)
+                rv.store(rv.load() * sStage[inv_base + head])
+                off = base + Int64(head) * self.d_v
+                if const_expr(self.f32_out):
+                    cute.autovec_copy(rv, cute.make_tensor((mO.iterator + off).align(16), vec))
+                else:
+                    rb.store(rv.load().to(BFloat16))
+                    cute.autovec_copy(rb, cute.make_tensor((mO.iterator + off).align(8), vec))
 
 
 class SparseMlaDecodeNarrowSm90Fused(dd.FusedDecodeContract, SparseMlaDecodeNarrowSm90):
