@@ -131,6 +131,30 @@ def bitwise_across_knob(monkeypatch, c, env, values, make_plan):
     check(last[0], last[1], want_of(c, sc, with_ml=True), c, ml=last[2])
 
 
+def cluster_repeats_and_separate(monkeypatch, c, plan, make_sep, parts):
+    """Run the cluster-merge ``plan`` twice on ``c`` (poisoned outputs; each against the
+    reference, the second bitwise the first: each slice merges the peers in split order), then
+    the combine kernel's plan ``make_sep()`` (made with MLA_KERNELS_DECODE_COMBINE=separate): the
+    two agree to bf16 rounding (float32 staging: the same weights and order, nearly bitwise), the
+    same lse.  Returns ``(cluster out, cluster lse, separate out, separate lse)``."""
+    first = None
+    for rep in range(2):
+        plan.max_logits.fill_(math.nan)
+        out, lse, sc = run(c, plan=plan)
+        check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
+        if first is None:
+            first = (out.clone(), lse.clone())
+        else:
+            assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
+    o2, l2, _ = run(c, plan=make_sep())
+    assert rel_l2(o2.float(), first[0].float()) < (1e-2 if parts == "bf16" else 2e-3)
+    fin = torch.isfinite(l2)
+    assert torch.equal(fin, torch.isfinite(first[1]))
+    assert ((l2[fin] - first[1][fin]).abs() <= 1e-5 * l2[fin].abs().clamp_min(1)).all()
+    return first[0], first[1], o2, l2
+
+
 # ---------------------------------------------------------------------------------------------
 # Decode
 # ---------------------------------------------------------------------------------------------
@@ -182,26 +206,11 @@ def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
     plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True)
     assert plan.num_splits == n_want and plan.state["cluster"] == n_want
     assert (plan.out_parts is None) == (parts != "l2") and plan.state["cluster_l2"] == (parts == "l2")
-    first = None
-    for rep in range(2):
-        plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)
-        check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
-        if first is None:
-            first = (out.clone(), lse.clone())
-        else:  # each slice merges the peers in split order: the same bits every time
-            assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
-    # the cluster merge and the combine kernel agree to bf16 rounding (float32 staging: the same
-    # weights and order, so nearly bitwise)
-    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
-    sep = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True)
-    o2, l2, _ = run(c, plan=sep)
-    assert rel_l2(o2.float(), first[0].float()) < (1e-2 if parts == "bf16" else 2e-3)
+    o1, l1, o2, l2 = cluster_repeats_and_separate(
+        monkeypatch, c, plan, lambda: mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True),
+        parts)
     if parts == "l2":  # the same parts merged by the same per-row code, in the same order
-        assert torch.equal(o2, first[0]) and torch.equal(l2, first[1])
-    fin = torch.isfinite(l2)
-    assert torch.equal(fin, torch.isfinite(first[1]))
-    assert ((l2[fin] - first[1][fin]).abs() <= 1e-5 * l2[fin].abs().clamp_min(1)).all()
+        assert torch.equal(o2, o1) and torch.equal(l2, l1)
 
 
 @pytest.mark.parametrize("h,b,s_q,topk,d,parts,splits", [
@@ -224,23 +233,13 @@ def test_decode_narrow_cluster_merge(h, b, s_q, topk, d, parts, splits, monkeypa
     c = dcase(b, s_q, h, topk, d=d, tl="b", sink=True, bias=True, seed=41 + h + b + d)
     plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=splits)
     assert plan.num_splits > 1 and plan.state["cluster"] == plan.num_splits and plan.out_parts is None
-    first = None
-    for rep in range(2):
-        plan.max_logits.fill_(math.nan)
-        out, lse, sc = run(c, plan=plan)
-        check(out, lse, want_of(c, sc, with_ml=True), c, ml=plan.max_logits)
-        if first is None:
-            first = (out.clone(), lse.clone())
-        else:
-            assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
-    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", "separate")
-    sep = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=splits)
-    assert sep.state["cluster"] == 0
-    o2, l2, _ = run(c, plan=sep)
-    assert rel_l2(o2.float(), first[0].float()) < (1e-2 if parts == "bf16" else 2e-3)
-    fin = torch.isfinite(l2)
-    assert torch.equal(fin, torch.isfinite(first[1]))
-    assert ((l2[fin] - first[1][fin]).abs() <= 1e-5 * l2[fin].abs().clamp_min(1)).all()
+
+    def separate():
+        sep = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=splits)
+        assert sep.state["cluster"] == 0
+        return sep
+
+    cluster_repeats_and_separate(monkeypatch, c, plan, separate, parts)
 
 
 @pytest.mark.parametrize("h,b,s_q,topk,d,parts,splits", [

@@ -28,14 +28,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);    \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "cuda_tool.cuh"
 
 enum Mode { PULL = 0, BULK1 = 1, BULKN = 2, STASYNC = 3, LOCAL = 4 };
 static const char* kModeName[] = {"pull", "bulk1", "bulkn", "stasync", "local"};
@@ -44,9 +37,6 @@ constexpr int THREADS = 256;
 constexpr int MAXB = 64 * 1024;
 constexpr int SMEM = 2 * MAXB + 64 * 1024;  // src, dst, and padding that keeps one CTA per SM
 
-__device__ __forceinline__ uint32_t sa(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -59,9 +49,6 @@ __device__ __forceinline__ uint32_t mapa(uint32_t a, uint32_t rank) {
 }
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void mb_init(uint32_t b, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(n));
 }
 __device__ __forceinline__ void mb_expect(uint32_t b, uint32_t tx) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(tx) : "memory");

@@ -32,14 +32,7 @@
 #include <type_traits>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);    \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "cuda_tool.cuh"
 
 constexpr int D = 576;
 constexpr int ROW_B = D * 2;          // 1152
@@ -48,12 +41,6 @@ constexpr int STAGE_B = BLK * ROW_B;  // 73,728
 constexpr int KT = D / 64;            // 9 k-tiles of 128 B per row
 constexpr int TOPK = 2048;
 
-__device__ __forceinline__ uint32_t sa(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mb_init(uint32_t b, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(n));
-}
 __device__ __forceinline__ void mb_wait(uint32_t b, uint32_t parity) {
   asm volatile(
       "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n" ::"r"(b),

@@ -562,25 +562,22 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
                     else:
                         dd.store_lse_ml(mLse, mML, dp.lse_offset(split, n_tok, token, h, col), l, rM[j], flags)
         cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=128)
-        vec = cute.make_layout(4)
-        rv = cute.make_rmem_tensor((4,), Float32)
+        # each thread: its 4 columns of every head row, normalised -- then stored (float32 partial
+        # or bf16), or in a cluster staged for the merge, which reads O / l: in place (float32) or
+        # as bf16 rows over KV buffer 1
         if const_expr(self.cluster):
-            # the merge reads O / l: each thread normalises its 4 columns of every head row, in
-            # place (float32) or into bf16 rows over KV buffer 1
             xb = self._staged_addr(sK0_ptr, sK1_ptr)
-            for head in cutlass.range(h, unroll=4):
-                cute.autovec_copy(cute.make_tensor((sStage.iterator + (head * stride + 4 * idx_in_wg)).align(16), vec),
-                                  rv)
-                inv = sStage[inv_base + head]
-                cm.stage_o_v4(xb, head, 4 * idx_in_wg, rv[0] * inv, rv[1] * inv, rv[2] * inv, rv[3] * inv, self.d_v,
-                              self.cluster_bf16)
         else:
             base = dp.out_row_offset(split, n_tok, token, h, Int32(0), self.d_v) + Int64(4 * idx_in_wg)
-            rb = cute.make_rmem_tensor((4,), BFloat16)
-            for head in cutlass.range(h, unroll=4):
-                cute.autovec_copy(cute.make_tensor((sStage.iterator + (head * stride + 4 * idx_in_wg)).align(16), vec),
-                                  rv)
-                rv.store(rv.load() * sStage[inv_base + head])
+        vec = cute.make_layout(4)
+        rv = cute.make_rmem_tensor((4,), Float32)
+        rb = cute.make_rmem_tensor((4,), BFloat16)
+        for head in cutlass.range(h, unroll=4):
+            cute.autovec_copy(cute.make_tensor((sStage.iterator + (head * stride + 4 * idx_in_wg)).align(16), vec), rv)
+            rv.store(rv.load() * sStage[inv_base + head])
+            if const_expr(self.cluster):
+                cm.stage_o_v4(xb, head, 4 * idx_in_wg, rv[0], rv[1], rv[2], rv[3], self.d_v, self.cluster_bf16)
+            else:
                 off = base + Int64(head) * self.d_v
                 if const_expr(self.f32_out):
                     cute.autovec_copy(rv, cute.make_tensor((mO.iterator + off).align(16), vec))
