@@ -35,10 +35,14 @@ Such a plan's CTAs hold 32 heads instead of 64 when its rows of 32 heads fit as 
 DSMEM, the split count stays.
 The default (``auto``) rule, :func:`mla_kernels.common.decode_host.cluster_size_for`: clusters of
 the plan's split count if ``rows`` of them fit (the driver's occupancy query; on an H200 7
-clusters of 16, 15 of 8), else -- when the rule above gave more than 8 splits and 8 splits deal
-the blocks evenly -- 8 splits merged in clusters of 8 if ``rows`` of those fit (b 2, s_q 2,
-h_q 128: 8 rows), else the combine kernel.  ``num_splits`` can be forced per plan (``auto``
-then never changes it).
+clusters of 16, 15 of 8, 30 of 4, 66 of 2), else the largest smaller cluster size whose ``rows``
+clusters fit, whose splits deal the blocks evenly and hold at most 8 blocks each (4 for the
+narrow kernel) -- e.g. b 2, s_q 2, h_q 128 (8 rows): 8 splits in clusters of 8; b 16, h_q 64:
+4 splits in clusters of 4 (``MLA_KERNELS_DECODE_RESPLIT=8`` restores the earlier rule: only 8
+splits, only for 64 heads) --, else the combine kernel (on an H200 at topk 2048: 16-26 and
+31-44 rows of the narrow kernel, 31-44 rows of 64 heads).  The narrow kernel's clusters hold
+whole heads per CTA, or (8 heads over 16 CTAs) half of one head's columns.  ``num_splits`` can
+be forced per plan (``auto`` then never changes it).
 
 Outputs live in the plan: a call returns views of the plan's ``out`` and ``lse`` buffers, which
 the next call with the same plan overwrites (clone them to keep a step's result).

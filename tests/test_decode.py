@@ -651,7 +651,7 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     """The cluster merge (one launch, the splits of a row merged over DSMEM) serves split counts
     2/4/8/16 up to MLA_KERNELS_DECODE_CLUSTER_MAX (the narrow kernel's only where they divide
     h_q); every other plan keeps the combine kernel."""
-    for env in (decode_host.ENV_CLUSTER_MAX, decode_host.ENV_CLUSTER_PARTS):
+    for env in (decode_host.ENV_CLUSTER_MAX, decode_host.ENV_CLUSTER_PARTS, decode_host.ENV_RESPLIT):
         monkeypatch.delenv(env, raising=False)
     assert decode_host.cluster_knobs() == (16, "bf16")
     monkeypatch.setenv(decode_host.ENV_CLUSTER_MAX, "8")
@@ -673,6 +673,10 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
                           forced_splits=forced)
 
     size = decode_host.cluster_size_for
+    assert decode_host.resplit_mode() == "fit"
+    # first the rule before MLA_KERNELS_DECODE_RESPLIT=fit (the default since): only a 64-head plan
+    # of more than 8 splits may become 8 splits in clusters of 8
+    monkeypatch.setenv(decode_host.ENV_RESPLIT, "8")
     # on the CPU the driver cannot be asked: the documented fallback, half of num_sms // cluster
     assert decode_host.max_active_clusters(torch.device("cpu"), 16) is None
     assert [decode_host.cluster_capacity(torch.device("cpu"), c, 132) for c in (2, 4, 8, 16)] == [33, 16, 8, 4]
@@ -697,12 +701,30 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     # the narrow kernel (one row per token): its own split count when it divides h_q (no re-split)
     # and the staging is a DSMEM one
     assert [size(plan(16, n), "auto", 16) for n in (2, 4, 8, 16)] == [2, 4, 8, 16]
-    assert [size(plan(8, n), "auto", 16) for n in (8, 16)] == [8, 0]  # 16 splits cannot share 8 heads
+    assert [size(plan(8, n), "auto", 16) for n in (8, 16)] == [8, 16]  # 16 CTAs share 8 heads by columns
     assert size(plan(24, 8), "auto", 16) == 8 and size(plan(24, 16), "cluster", 16) == 0
     assert size(plan(32, 16), "auto", 16, "l2") == 0 and size(plan(32, 16), "cluster", 16, "f32") == 16
     assert [size(plan(16, 16, b), "auto", 16) for b in (7, 8)] == [16, 0]  # 7 clusters of 16 fit
     assert size(plan(16, 32), "auto", 16) == 0  # 32 splits: no cluster size, no re-split for h_q < 64
     assert size(plan(128, 16), "separate", 16) == 0 and size(plan(128, 16), "fused", 16) == 0
+    # MLA_KERNELS_DECODE_RESPLIT=fit (the default): the largest cluster size below the split count
+    # whose clusters all fit, whose splits deal the blocks evenly and hold at most 8 (64-head
+    # kernel) / 4 (narrow kernel) blocks -- so that more plans are one launch
+    monkeypatch.setenv(decode_host.ENV_RESPLIT, "fit")
+    assert decode_host.RESPLIT_MAX_BLOCKS == {"wide": 8, "narrow": 4}
+    assert [size(plan(8, 16, b), "auto", 16) for b in (1, 7, 8, 15, 16)] == [16, 16, 8, 8, 0]
+    assert size(plan(16, 32), "auto", 16) == 16  # b 1, 32 splits: 16
+    assert [size(plan(16, n, b), "auto", 16) for n, b in ((16, 8), (8, 16), (4, 32))] == [8, 0, 0]  # 8 blocks: no
+    assert size(plan(24, 16, 8), "auto", 16) == 8 and size(plan(24, 8, 16), "auto", 16) == 0
+    assert [size(plan(64, n, b), "auto", 16) for n, b in ((8, 16), (5, 24), (4, 32), (2, 66))] == [4, 4, 0, 2]
+    assert size(plan(128, 8, 8), "auto", 16) == 4 and size(plan(128, 4, 16), "auto", 16) == 0  # 16 blocks: no
+    assert size(plan(128, 16, 2, 2), "auto", 16) == 8 and size(plan(128, 16, 2, 2), "auto", 4) == 4
+    assert size(plan(128, 11, 3, 2, topk=1344), "auto", 16) == 4  # 21 blocks: 8 splits would leave one empty
+    assert size(plan(16, 16, 8), "auto", 16, "l2") == 0  # the narrow kernel has no L2 staging
+    assert size(plan(64, 8, 16, forced=True), "auto", 16) == 0  # a forced split count is kept
+    monkeypatch.setenv(decode_host.ENV_RESPLIT, "all")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_RESPLIT='all': expected one of fit, 8"):
+        size(plan(64, 8, 16), "auto", 16)
 
 
 def test_auto_resplits_to_clusters_of_8(emulated_sm90, monkeypatch):

@@ -13,7 +13,8 @@ NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_d576_h64_direct", "sm90_dec
          "sm90_decode_narrow_d576_h16_direct", "combine_f32_bf16_d512",
          "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
          "sm90_decode_d576_h128_cluster16_l2", "sm90_decode_d576_h128_cluster16_rows32",
-         "sm90_decode_narrow_d576_h16_cluster16", "sm90_decode_narrow_d512_h32_cluster8_f32"}
+         "sm90_decode_narrow_d576_h16_cluster16", "sm90_decode_narrow_d512_h32_cluster8_f32",
+         "sm90_decode_narrow_d576_h8_cluster16"}
 
 
 def q_chunks(h: int, d_qk: int = 576) -> int:
@@ -180,7 +181,8 @@ def test_cluster_merge_through_l2(report):
 
 
 @pytest.mark.parametrize("name,h,n,d,bf16", [("sm90_decode_narrow_d576_h16_cluster16", 16, 16, 576, True),
-                                              ("sm90_decode_narrow_d512_h32_cluster8_f32", 32, 8, 512, False)])
+                                              ("sm90_decode_narrow_d512_h32_cluster8_f32", 32, 8, 512, False),
+                                              ("sm90_decode_narrow_d576_h8_cluster16", 8, 16, 576, True)])
 def test_narrow_cluster_merge(report, name, h, n, d, bf16):
     """The narrow (heads-on-N) split kernel whose splits of a token run as one cluster and merge
     over DSMEM: the decode itself unchanged (the same HGMMAs and gather copies as the narrow
@@ -201,11 +203,12 @@ def test_narrow_cluster_merge(report, name, h, n, d, bf16):
 
 
 def test_narrow_cluster_refusals():
-    """A narrow cluster that cannot split the heads evenly, or an L2-staged one, is refused."""
+    """A narrow cluster that cannot split the heads (or one head's columns) evenly, or an
+    L2-staged one, is refused."""
     from mla_kernels.sm90 import compile_decode_narrow
 
-    with pytest.raises(ValueError, match="h_q % cluster == 0"):
-        compile_decode_narrow(576, 8, True, "sm_90a", cluster=16)
+    with pytest.raises(ValueError, match="h_q % cluster == 0 or cluster % h_q == 0"):
+        compile_decode_narrow(576, 24, True, "sm_90a", cluster=16)
     with pytest.raises(ValueError, match="over DSMEM only"):
         compile_decode_narrow(576, 16, True, "sm_90a", cluster=16, cluster_l2=True)
 

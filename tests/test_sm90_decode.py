@@ -213,6 +213,40 @@ def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
         assert torch.equal(o2, o1) and torch.equal(l2, l1)
 
 
+@pytest.mark.parametrize("h,b,s_q,n_before", [
+    (8, 8, 1, 16),  # 8 clusters of 16 do not fit (H100 / H200): 8 splits in clusters of 8
+    (24, 9, 1, 11),  # 11 splits is no cluster size: 8 (3 heads per CTA)
+    (64, 16, 1, 8),  # the 64-head kernel's 16 rows: 4 splits in clusters of 4
+    (64, 24, 1, 5),
+    (128, 4, 2, 8),
+    (128, 2, 2, 16),  # 8 rows of 64 heads: 8 splits (as the rule before)
+])
+def test_decode_resplit_fit(h, b, s_q, n_before, monkeypatch):
+    """MLA_KERNELS_DECODE_RESPLIT=fit (the default): a split plan whose own clusters do not all
+    fit runs with fewer splits, merged in clusters that do (one launch); the result is the
+    reference's (every option, poisoned outputs), bitwise the same on a repeat, and the combine
+    kernel's to bf16 rounding."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.delenv("MLA_KERNELS_DECODE_COMBINE", raising=False)
+    monkeypatch.delenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", raising=False)
+    topk = 2048
+    c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=7 + h + b, seq_len=2304)
+    monkeypatch.setenv("MLA_KERNELS_DECODE_RESPLIT", "8")
+    before = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True)
+    monkeypatch.setenv("MLA_KERNELS_DECODE_RESPLIT", "fit")
+    plan = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True)
+    n = plan.num_splits
+    assert 1 < n < n_before and plan.state["cluster"] == n and plan.out_parts is None
+    assert before.num_splits in (n_before, n)
+
+    def separate():
+        sep = mk.decode_plan(b, s_q, h, topk, device="cuda", with_max_logits=True, num_splits=n)
+        assert sep.state["cluster"] == 0 and sep.num_splits == n
+        return sep
+
+    cluster_repeats_and_separate(monkeypatch, c, plan, separate, "bf16")
+
+
 @pytest.mark.parametrize("h,b,s_q,topk,d,parts,splits", [
     (16, 1, 1, 2048, 576, "bf16", None),  # the narrow kernel's b 1: one cluster of 16 (the default rule)
     (16, 1, 1, 2048, 576, "f32", None),
@@ -221,6 +255,8 @@ def test_decode_cluster_merge(h, b, s_q, topk, d, parts, n_want, monkeypatch):
     (8, 2, 1, 512, 512, "bf16", 8),  # d_qk 512, one head per CTA
     (24, 1, 1, 200, 576, "f32", 8),  # 3 heads per CTA, a partial last block
     (8, 2, 2, 256, 576, "bf16", 2),
+    (8, 1, 1, 2048, 576, "bf16", None),  # 16 CTAs over 8 heads: each merges half of a head's columns
+    (8, 1, 2, 1024, 512, "f32", 16),  # the same in float32, one block per split, d_qk 512
 ])
 def test_decode_narrow_cluster_merge(h, b, s_q, topk, d, parts, splits, monkeypatch):
     """h_q 8..32 (heads on the MMA's N side): the split CTAs of a token run as one cluster and
@@ -512,11 +548,18 @@ def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
         check(g_out, g_lse, want_of(c2, sc), c2)
 
 
-def test_decode_no_recompile_across_batch_sizes(monkeypatch):
+@pytest.mark.parametrize("combine,shapes", [("auto", ((1, 512), (3, 512))), ("separate", ((1, 512), (3, 1024)))])
+def test_decode_no_recompile_across_batch_sizes(combine, shapes, monkeypatch):
+    """One compiled kernel serves every batch size (and top-k) of a configuration.  A plan's
+    cluster size is part of its configuration, so the auto case keeps it: b 1 and b 3 at topk 512
+    both run 4 splits in clusters of 4; with the combine kernel, topk 512 and 1024 (4 / 8 splits)
+    share the split and combine kernels."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
-    run(dcase(1, 1, 16, 512, seed=1))
+    monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
+    (b0, k0), (b1, k1) = shapes
+    run(dcase(b0, 1, 16, k0, seed=1))
     n = _compile.cache_info()["entries"]
-    c = dcase(3, 1, 16, 1024, seed=2)
+    c = dcase(b1, 1, 16, k1, seed=2)
     out, lse, sc = run(c)
     check(out, lse, want_of(c, sc), c)
     assert _compile.cache_info()["entries"] == n

@@ -73,6 +73,18 @@ EXTRA = [
     ("b1-sq2-h32", 1, 2, 32, 2048, 32768, 64),
     ("b4-sq1-h32", 4, 1, 32, 2048, 32768, 64),
     ("b1-sq1-h8", 1, 1, 8, 2048, 32768, 64),  # 16 splits cannot share 8 heads: the combine kernel
+    # mid batches: split plans whose own clusters do not fit (the combine kernel, or with
+    # MLA_KERNELS_DECODE_RESPLIT=fit fewer splits in clusters that do)
+    ("b8-sq1-h8", 8, 1, 8, 2048, 32768, 64),
+    ("b8-sq1-h16", 8, 1, 16, 2048, 32768, 64),
+    ("b16-sq1-h16", 16, 1, 16, 2048, 32768, 64),
+    ("b32-sq1-h16", 32, 1, 16, 2048, 32768, 64),
+    ("b16-sq1-h32", 16, 1, 32, 2048, 32768, 64),
+    ("b32-sq1-h32", 32, 1, 32, 2048, 32768, 64),
+    ("b16-sq1-h64", 16, 1, 64, 2048, 32768, 64),
+    ("b32-sq1-h64", 32, 1, 64, 2048, 32768, 64),
+    ("v32-b8-sq1-h128", 8, 1, 128, 2048, 32768, 64),
+    ("v32-b4-sq2-h128", 4, 2, 128, 2048, 32768, 64),
 ]
 QUICK = [
     ("quick-b2-h16", 2, 1, 16, 128, 1024, 16),

@@ -113,6 +113,8 @@ def kernels_for(arch):
              lambda a, **kw: compile_decode_narrow(576, 8, True, a, fused=True, **kw)),
             ("sm90_decode_narrow_d576_h16_cluster16",
              lambda a, **kw: compile_decode_narrow(576, 16, True, a, cluster=16, cluster_bf16=True, **kw)),
+            ("sm90_decode_narrow_d576_h8_cluster16",  # more CTAs than heads: half a head's columns each
+             lambda a, **kw: compile_decode_narrow(576, 8, True, a, cluster=16, cluster_bf16=True, **kw)),
             ("sm90_decode_narrow_d512_h32_cluster8_f32",
              lambda a, **kw: compile_decode_narrow(512, 32, True, a, cluster=8, **kw)),
             ("combine_f32_bf16_d512", lambda a, **kw: compile_combine(512, "f32", "bf16", a, **kw)),

@@ -94,7 +94,8 @@ GROUPS = (
                                              "decode_cluster2_h64_bf16", "decode_cluster4_h128_l2",
                                              "decode_auto_cluster8_h128", "decode_cluster4_h128_rows32",
                                              "decode_cluster16_h64_rows32", "decode_narrow_cluster16_h16",
-                                             "decode_narrow_cluster4_h32_f32", "merge")),
+                                             "decode_narrow_cluster4_h32_f32", "decode_narrow_cluster16_h8",
+                                             "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 #: ``--ops``: the comma-separated ops each group keeps (the sanitized processes read it from here)
@@ -370,6 +371,9 @@ def _decode_steps(g: Group, step, dev) -> None:
         run("decode_cluster16_h64_rows32", 64, 576, 16, "cluster", rows32, topk=2048, b=1)
     if "decode_narrow_cluster16_h16" in g.ops:  # the narrow kernel's b 1 shape: one cluster of 16, bf16 staging
         run("decode_narrow_cluster16_h16", 16, 576, 16, "cluster", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"},
+            topk=2048, b=1)
+    if "decode_narrow_cluster16_h8" in g.ops:  # b 1 at h_q 8: 16 CTAs, each merges half of a head's columns
+        run("decode_narrow_cluster16_h8", 8, 576, 16, "cluster", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"},
             topk=2048, b=1)
     if "decode_narrow_cluster4_h32_f32" in g.ops:  # 6 clusters of 4, float32 staging, 8 heads merged per CTA
         run("decode_narrow_cluster4_h32_f32", 32, 576, 4, "cluster", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "f32"})

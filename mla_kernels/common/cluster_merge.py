@@ -91,16 +91,27 @@ def stage_o_rows(x_addr: Int32, acc_o: cute.Tensor, row: Int32, col0: Int32, odd
         stage_o_v4(x_addr, row, col0 + 8 * g, v0, v1, v2, v3, d_v, bf16)
 
 
+def slice_shape(n_rows: int, n: int):
+    """``(heads, column parts)`` of one CTA's merge slice: ``n_rows / n`` whole heads when ``n``
+    divides ``n_rows``; else (``n_rows`` divides ``n``: more CTAs than heads, e.g. the narrow
+    kernel's 8 heads over 16 CTAs) one head each, a ``1 / (n / n_rows)`` share of its columns."""
+    if n_rows % n == 0:
+        return n_rows // n, 1
+    assert n % n_rows == 0, (n_rows, n)
+    return 1, n // n_rows
+
+
 def merge_threads(n_rows: int, n: int, d_v: int, bf16: bool, max_threads: int) -> int:
-    """Threads :func:`merge_slice` runs on for ``n_rows`` heads over ``n`` CTAs: ``n_rows / n``
-    heads, each on as many threads as it has 16-byte chunks per row (at most -- a power of two, so
-    that it divides them --, and at least ``n`` and a whole number of warps), within
-    ``max_threads`` (e.g. 3 heads of the narrow kernel's 24 over 8 CTAs: 64 threads each)."""
-    hp = n_rows // n
-    chunks = d_v // (8 if bf16 else 4)
+    """Threads :func:`merge_slice` runs on for ``n_rows`` heads over ``n`` CTAs: the slice's heads
+    (:func:`slice_shape`), each on as many threads as its slice has 16-byte chunks per row (at
+    most -- a power of two, so that it divides them --, and at least ``n`` and a whole number of
+    warps), within ``max_threads`` (e.g. 3 heads of the narrow kernel's 24 over 8 CTAs: 64
+    threads each; half of one of its 8 heads over 16 CTAs: 32)."""
+    hp, cp = slice_shape(n_rows, n)
+    chunks = d_v // (8 if bf16 else 4) // cp
     tph = min(chunks, max_threads // hp)
     tph = 1 << (tph.bit_length() - 1)  # (a power of two already unless hp is not one)
-    assert hp * n == n_rows and tph >= n and chunks % tph == 0 and (tph * hp) % 32 == 0, (n_rows, n, tph)
+    assert tph >= n and chunks % tph == 0 and (tph * hp) % 32 == 0, (n_rows, n, tph)
     return tph * hp
 
 
@@ -124,28 +135,34 @@ def merge_slice(
     head0: Int32,
     h_q: Int32,
 ):
-    """Merge heads ``rank * n_rows / n ..`` (``n_rows / n`` of them) of the row from the ``n``
-    CTAs' staged partials (after the first cluster barrier) into ``mOut [T, h_q, d_v]`` bf16,
-    ``mLse`` / ``mML [T, h_q]`` float32 (flat offsets: ``(token * h_q + head0 + row) * d_v``).
+    """Merge heads ``rank * n_rows / n ..`` (``n_rows / n`` of them; with more CTAs than heads,
+    columns part ``rank % cp`` of head ``rank // cp``, :func:`slice_shape`) of the row from the
+    ``n`` CTAs' staged partials (after the first cluster barrier) into ``mOut [T, h_q, d_v]`` bf16,
+    ``mLse`` / ``mML [T, h_q]`` float32 (flat offsets: ``(token * h_q + head0 + row) * d_v``; the
+    lse and max logit by the column part 0).
 
     ``n_threads / (n_rows / n)`` threads per head (a power of two, at least ``n``): the first
     ``n`` lanes of each head's lane segment read the peers' lse (lane ``j`` from CTA ``j``), the
     segment reduces them by shuffles, and each thread then reads its 16-byte chunks of every
     peer's row (chunk ``j + k * threads_per_head``: a warp reads contiguous bytes), weights them
     and stores its bf16 columns."""
-    hp = n_rows // n  # heads merged by this CTA
+    hp, cp = slice_shape(n_rows, n)  # heads merged by this CTA, CTAs per head
     tph = n_threads // hp  # threads per head
     assert tph * hp == n_threads and tph >= n
     seg = min(tph, 32)  # lanes of one head within a warp
     vec = 8 if cutlass.const_expr(bf16) else 4  # elements per 16-byte chunk
-    chunks = d_v // vec
+    chunks = d_v // vec // cp  # of this CTA's slice of a row
     cpt = chunks // tph  # chunks per thread
     assert cpt * tph == chunks
     stride = row_stride_bytes(d_v, bf16)
 
     hl = tid // tph
     j = tid % tph
-    row = rank * hp + hl
+    if cutlass.const_expr(cp > 1):
+        row = rank // cp
+        j = j + (rank % cp) * chunks  # the slice's first chunk of the row, plus this thread's
+    else:
+        row = rank * hp + hl
     lane = tid % 32
     s = lane % seg
     seg_base = lane - s
@@ -207,7 +224,7 @@ def merge_slice(
         else:
             dev.st_global_v2_b32(a, dev.pack_bf16x2(acc[k * vec], acc[k * vec + 1]),
                                  dev.pack_bf16x2(acc[k * vec + 2], acc[k * vec + 3]))
-    if j == 0:
+    if j == 0:  # (with column parts: part 0's first thread)
         off_l = Int64(token) * h_q + head
         dp.store_f32(mLse, off_l, lse)
         if dp.flag(flags, dp.F_MAX_LOGITS):

@@ -171,16 +171,35 @@ DEFAULT_CLUSTER_MAX = 16
 #: 17.6; 8-CTA clusters at b 1 lose to 16: 17.0 vs 15.0 us)
 AUTO_RESPLIT = 8
 DEFAULT_CLUSTER_PARTS = "bf16"
+ENV_RESPLIT = "MLA_KERNELS_DECODE_RESPLIT"
+#: ``fit`` (default): a split plan whose clusters do not all fit may become the largest cluster
+#: size below its split count whose clusters do, if its blocks deal evenly and each split then
+#: holds at most :data:`RESPLIT_MAX_BLOCKS` blocks (64-head kernel / narrow kernel); ``8``: only a
+#: 64-head plan of more than 8 splits may become 8 splits in clusters of 8 (the rule before)
+RESPLIT_MODES = ("fit", "8")
+DEFAULT_RESPLIT = "fit"
+#: blocks per split up to which ``fit`` trades the combine kernel for fewer splits in clusters
+#: (H200, graph steps, docs/PERF.md: the 64-head kernel's 8 -> 4 splits 0.81-0.95x the time with
+#: the combine kernel, 4 -> 2 (16 blocks) 1.04-1.12x; the narrow kernel's 16 -> 8 0.95-0.98x,
+#: 8 -> 4 (8 blocks) 1.02-1.07x)
+RESPLIT_MAX_BLOCKS = {"wide": 8, "narrow": 4}
+
+
+def resplit_mode() -> str:
+    """``MLA_KERNELS_DECODE_RESPLIT`` (read when a plan is made): how far the ``auto`` combine rule
+    may lower a plan's split count to merge it in clusters (:data:`RESPLIT_MODES`,
+    :func:`cluster_size_for`)."""
+    return fastpath.knob_choice(ENV_RESPLIT, RESPLIT_MODES, DEFAULT_RESPLIT)
 
 
 def combine_mode() -> str:
     """How a split plan merges its parts, read when a plan is made: ``MLA_KERNELS_DECODE_COMBINE``
-    = ``auto`` (default: ``cluster`` for plans whose clusters all fit on the GPU, possibly with 8
-    splits instead of more -- :func:`cluster_size_for` --, else ``separate``), ``separate``
+    = ``auto`` (default: ``cluster`` for plans whose clusters all fit on the GPU, possibly with
+    fewer splits -- :func:`cluster_size_for` --, else ``separate``), ``separate``
     (the combine kernel after the decode kernel, two launches), ``fused`` (one launch: the last
     CTA of each row merges it) or ``cluster`` (one launch: the row's split CTAs run as one
     thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; split counts
-    2/4/8/16, for the narrow kernel only those dividing h_q -- other plans fall back to
+    2/4/8/16, for the narrow kernel only those dividing h_q or divided by it -- other plans fall back to
     ``separate``).  docs/PERF.md says which
     measures faster."""
     return fastpath.knob_choice(ENV_COMBINE, COMBINE_MODES, DEFAULT_COMBINE)
@@ -217,16 +236,21 @@ def cluster_capacity(device: torch.device, cluster: int, num_sms: int) -> int:
 
 def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_CLUSTER_PARTS) -> int:
     """The cluster size a plan's kernel runs with (0: none): clusters of 2, 4, 8 or 16 CTAs, at
-    most ``max_cluster``.  The narrow kernel (h_q 8..32, one CTA row per token) merges in clusters
-    of its own split count only (no re-split), when that count divides h_q and ``staging`` is a
-    DSMEM one (``bf16`` / ``f32``; it has no L2 staging).  The 64-head kernel:
+    most ``max_cluster``:
 
     * ``cluster``: the plan's split count when it is such a size (whether or not all clusters fit
       at once -- those that do not wait for a free GPC);
     * ``auto``: the split count if the plan's ``rows`` clusters of that size fit on the GPU at once
-      (:func:`cluster_capacity`); else, unless the split count was forced, ``AUTO_RESPLIT`` (8)
-      when the plan has more than 8 splits, 8 splits deal its blocks evenly and ``rows`` clusters
-      of 8 fit -- the caller then lowers the plan's split count to 8; else 0 (the combine kernel).
+      (:func:`cluster_capacity`); else, unless the split count was forced, a smaller size by
+      :func:`resplit_mode` -- ``fit``: the largest size below the split count whose ``rows``
+      clusters fit, whose splits deal the blocks evenly and hold at most
+      :data:`RESPLIT_MAX_BLOCKS` blocks each; ``8``: ``AUTO_RESPLIT`` (8) under the same
+      conditions for a 64-head plan of more than 8 splits -- the caller then lowers the plan's
+      split count to it; else 0 (the combine kernel).
+
+    The narrow kernel (h_q 8..32, one CTA row per token) takes the same rule with sizes that
+    divide h_q or that h_q divides (8 heads over 16 CTAs: each merges half of a head's columns)
+    and a DSMEM ``staging`` (``bf16`` / ``f32``; it has no L2 staging).
     """
     from ..decode import device_sm_count
 
@@ -235,23 +259,34 @@ def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_C
     n = plan.num_splits
     ok = n in CLUSTER_SIZES and n <= max_cluster
     narrow = plan.h_q in NARROW_HEADS
+
+    def narrow_ok(c):  # the narrow kernel's merge: whole heads or column parts of one per CTA
+        return (plan.h_q % c == 0 or c % plan.h_q == 0) and staging != "l2"
+
     if narrow:
-        ok = ok and plan.h_q % n == 0 and staging != "l2"
+        ok = ok and narrow_ok(n)
     if mode == "cluster":
         return n if ok else 0
     rows = plan.b * plan.s_q * (1 if narrow else plan.h_q // 64)
     sms = device_sm_count(plan.device)
-    if narrow:  # (its smem also holds one CTA per SM: the same capacities)
-        return n if ok and rows <= cluster_capacity(plan.device, n, sms) else 0
-    if ok and rows <= cluster_capacity(plan.device, n, sms):
+    if ok and rows <= cluster_capacity(plan.device, n, sms):  # (narrow: one CTA per SM too)
         return n
-    c = AUTO_RESPLIT
-    if plan.forced_splits or n <= c or c > max_cluster:
+    if plan.forced_splits:
         return 0
     n_blocks = max(1, -(-plan.topk // 64))
-    if -(-n_blocks // -(-n_blocks // c)) != c:  # 8 splits would leave one empty
-        return 0
-    return c if rows <= cluster_capacity(plan.device, c, sms) else 0
+    if resplit_mode() == "fit":
+        sizes = [c for c in CLUSTER_SIZES if c < n and c <= max_cluster and (not narrow or narrow_ok(c))]
+        max_blocks = RESPLIT_MAX_BLOCKS["narrow" if narrow else "wide"]
+    else:
+        sizes = [] if narrow or n <= AUTO_RESPLIT or AUTO_RESPLIT > max_cluster else [AUTO_RESPLIT]
+        max_blocks = n_blocks
+    for c in sorted(sizes, reverse=True):
+        bps = -(-n_blocks // c)
+        if -(-n_blocks // bps) != c or bps > max_blocks:  # c splits would leave one empty / be too long
+            continue
+        if rows <= cluster_capacity(plan.device, c, sms):
+            return c
+    return 0
 
 
 #: a PTX kernel that does nothing: the occupancy probe's stand-in for a decode kernel (the driver

@@ -24,7 +24,8 @@ One CTA per (decode token, split); 384 threads:
   mode), lse and optionally max_logits.
 * ``cluster`` (split mode): a token's split CTAs run as one thread-block cluster; each stages its
   normalised partial (float32 in place, or rounded to bf16) and its lse / max logit per head in
-  its own smem, and after a cluster barrier merges ``h_q / cluster`` heads from every peer over
+  its own smem, and after a cluster barrier merges ``h_q / cluster`` heads (with more CTAs than
+  heads: a share of one head's columns) from every peer over
   DSMEM (``common/cluster_merge.py``, shared with the 64-head kernel): one launch, no combine
   kernel, the bf16 output written like direct mode.
 
@@ -84,9 +85,9 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         # (each CTA merges h_q / cluster heads); the kernel then writes the bf16 output like direct
         # mode.  ``cluster_bf16``: the staged partials rounded to bf16 (half the DSMEM bytes)
         if cluster and (not split or self.fused or self.parts_bf16 or cluster not in cm.CLUSTER_SIZES
-                        or h_q % cluster):
+                        or (h_q % cluster and cluster % h_q)):
             raise ValueError(f"narrow cluster merge needs split mode, float32 parts, a size in {cm.CLUSTER_SIZES} "
-                             f"and h_q % cluster == 0 (h_q {h_q}, cluster {cluster})")
+                             f"and h_q % cluster == 0 or cluster % h_q == 0 (h_q {h_q}, cluster {cluster})")
         self.cluster = cluster if split else 0
         self.cluster_bf16 = cluster_bf16 and bool(self.cluster)
         self.n_merge = cm.merge_threads(h_q, self.cluster, d_v, self.cluster_bf16, 256) if self.cluster else 0
