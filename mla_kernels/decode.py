@@ -35,14 +35,16 @@ Such a plan's CTAs hold 32 heads instead of 64 when its rows of 32 heads fit as 
 DSMEM, the split count stays.
 The default (``auto``) rule, :func:`mla_kernels.common.decode_host.cluster_size_for`: clusters of
 the plan's split count if ``rows`` of them fit (the driver's occupancy query; on an H200 7
-clusters of 16, 15 of 8, 30 of 4, 66 of 2), else the largest smaller cluster size whose ``rows``
-clusters fit, whose splits deal the blocks evenly and hold at most 8 blocks each (4 for the
-narrow kernel) -- e.g. b 2, s_q 2, h_q 128 (8 rows): 8 splits in clusters of 8; b 16, h_q 64:
-4 splits in clusters of 4 (``MLA_KERNELS_DECODE_RESPLIT=8`` restores the earlier rule: only 8
-splits, only for 64 heads) --, else the combine kernel (on an H200 at topk 2048: 16-26 and
-31-44 rows of the narrow kernel, 31-44 rows of 64 heads).  The narrow kernel's clusters hold
-whole heads per CTA, or (8 heads over 16 CTAs) half of one head's columns.  ``num_splits`` can
-be forced per plan (``auto`` then never changes it).
+clusters of 16, 15 of 8, 17 of 6, 30 of 4, 66 of 2), else a smaller cluster size (2..16) whose
+``rows`` clusters fit, whose splits deal the blocks evenly and hold at most 8 blocks each (4 for
+the narrow kernel), with the fewest block pairs per split, then the fewest CTAs -- e.g. b 2,
+s_q 2, h_q 128 (8 rows): 8 splits in clusters of 8; b 16, h_q 64: 6 splits in clusters of 6
+(``MLA_KERNELS_DECODE_RESPLIT=8`` restores the earlier rule: only 8 splits, only for 64 heads)
+--, else the combine kernel (on an H200 at topk 2048: 16-26 and 31-44 rows of the narrow
+kernel at h_q 8 / 16 / 32, 31-33 and 40-44 rows of 64 heads; 34-39 rows of 64 heads run their 3
+splits in clusters of 3).  A CTA of a cluster merges ``ceil(heads / n)`` heads (the last
+ones fewer), or with more CTAs than heads (the narrow kernel's 8 heads over 16 CTAs) half of
+one head's columns.  ``num_splits`` can be forced per plan (``auto`` then never changes it).
 
 Outputs live in the plan: a call returns views of the plan's ``out`` and ``lse`` buffers, which
 the next call with the same plan overwrites (clone them to keep a step's result).

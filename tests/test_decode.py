@@ -691,7 +691,7 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     assert size(plan(128, 16, 2, 2), "auto", 8) == 8  # MLA_KERNELS_DECODE_CLUSTER_MAX=8
     assert size(plan(128, 16, 2, 2), "auto", 4) == 0
     # the driver's answer when there is one (an H200's: tools/cluster_occupancy.py)
-    h200 = {2: 66, 4: 30, 8: 15, 16: 7}
+    h200 = {1: 132, 2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15, 9: 9, **{c: 7 for c in range(10, 17)}}
     monkeypatch.setattr(decode_host, "max_active_clusters", lambda dev, c, *a, **k: h200[c])
     assert [size(plan(64, 16, b), "auto", 16) for b in (7, 8, 15, 16)] == [16, 8, 8, 0]
     # "cluster" forces it whether or not the clusters fit; never for other sizes or the narrow kernel
@@ -716,10 +716,21 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     assert size(plan(16, 32), "auto", 16) == 16  # b 1, 32 splits: 16
     assert [size(plan(16, n, b), "auto", 16) for n, b in ((16, 8), (8, 16), (4, 32))] == [8, 0, 0]  # 8 blocks: no
     assert size(plan(24, 16, 8), "auto", 16) == 8 and size(plan(24, 8, 16), "auto", 16) == 0
-    assert [size(plan(64, n, b), "auto", 16) for n, b in ((8, 16), (5, 24), (4, 32), (2, 66))] == [4, 4, 0, 2]
-    assert size(plan(128, 8, 8), "auto", 16) == 4 and size(plan(128, 4, 16), "auto", 16) == 0  # 16 blocks: no
+    # the 64-head kernel takes any size 2..16 (uneven head slices): 16 rows -> 6 splits of 6 blocks
+    # (17 clusters of 6 fit, 15 of 7 or 8)
+    assert [size(plan(64, n, b), "auto", 16) for n, b in ((8, 16), (5, 24), (4, 32), (2, 66))] == [6, 4, 0, 2]
+    assert size(plan(128, 8, 8), "auto", 16) == 6 and size(plan(128, 4, 16), "auto", 16) == 0  # 16 blocks: no
+    # 20 rows: 6 splits do not fit (17); 5 splits of 7 blocks take as many block pairs as 4 of 8
+    assert size(plan(64, 6, 20), "auto", 16) == 4 and size(plan(64, 7, 17), "auto", 16) == 6
+    # a plan's own split count of 3 (11 blocks: the bound is for re-splits) where 39 clusters fit
+    assert [size(plan(64, 3, b), "auto", 16) for b in (36, 39, 40)] == [3, 3, 0]
+    assert size(plan(16, 3, 36), "auto", 16) == 0 and size(plan(24, 3, 36), "auto", 16) == 3  # 16 % 3
     assert size(plan(128, 16, 2, 2), "auto", 16) == 8 and size(plan(128, 16, 2, 2), "auto", 4) == 4
-    assert size(plan(128, 11, 3, 2, topk=1344), "auto", 16) == 4  # 21 blocks: 8 splits would leave one empty
+    # 21 blocks: 8..10 splits would leave one empty; 7 splits of 3 blocks take as many block pairs
+    # (2) as 6 of 4: the fewer CTAs, 6
+    assert size(plan(128, 11, 3, 2, topk=1344), "auto", 16) == 6
+    assert size(plan(128, 16, 2, 2), "auto", 16, "l2") == 8  # the L2 staging: powers of two only
+    assert size(plan(64, 8, 16), "cluster", 16) == 8 and size(plan(64, 6, 20), "cluster", 16) == 0
     assert size(plan(16, 16, 8), "auto", 16, "l2") == 0  # the narrow kernel has no L2 staging
     assert size(plan(64, 8, 16, forced=True), "auto", 16) == 0  # a forced split count is kept
     monkeypatch.setenv(decode_host.ENV_RESPLIT, "all")

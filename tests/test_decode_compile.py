@@ -14,7 +14,7 @@ NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_d576_h64_direct", "sm90_dec
          "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
          "sm90_decode_d576_h128_cluster16_l2", "sm90_decode_d576_h128_cluster16_rows32",
          "sm90_decode_narrow_d576_h16_cluster16", "sm90_decode_narrow_d512_h32_cluster8_f32",
-         "sm90_decode_narrow_d576_h8_cluster16"}
+         "sm90_decode_narrow_d576_h8_cluster16", "sm90_decode_d576_h64_cluster6"}
 
 
 def q_chunks(h: int, d_qk: int = 576) -> int:
@@ -168,6 +168,19 @@ def test_cluster_merge_32_head_ctas(report):
     # thread runs one of them)
     assert sass.get("UCGABAR_ARV", 0) == 4 and 4 <= sass.get("UCGABAR_WAIT", 0) <= 6
     assert 16 <= sass.get("LD.E.128", 0) <= 32
+
+
+def test_cluster_merge_uneven_slices(report):
+    """A cluster of 6 CTAs over 64 heads (the ``fit`` rule's size for 16 rows): the same decode,
+    0 spills, and a merge of up to 11 heads per CTA -- 16 threads per head, each reading its 4
+    16-byte chunks of the row from each of the 6 peers (bf16 staging)."""
+    r = report["sm90_decode_d576_h64_cluster6"]
+    assert 0 < r["smem_bytes"] <= SMEM_LIMIT and r["spill_bytes"] == 0
+    sass, base = _common(r)
+    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
+    assert base.get("LDGSTS", 0) == 72 + q_chunks(64)
+    assert sass.get("UCGABAR_ARV", 0) == 4 and 4 <= sass.get("UCGABAR_WAIT", 0) <= 6
+    assert 24 <= sass.get("LD.E.128", 0) <= 48
 
 
 def test_cluster_merge_through_l2(report):

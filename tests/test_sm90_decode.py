@@ -247,6 +247,29 @@ def test_decode_resplit_fit(h, b, s_q, n_before, monkeypatch):
     cluster_repeats_and_separate(monkeypatch, c, plan, separate, "bf16")
 
 
+@pytest.mark.parametrize("h,b,s_q,topk,d,parts,n_want,rows,forced", [
+    (64, 16, 1, 2048, 576, "bf16", 6, 64, None),  # 64 heads over 6 CTAs: 11, 11, 11, 11, 11, 9
+    (64, 20, 1, 2048, 576, "f32", 5, 64, 5),  # 13, 13, 13, 13, 12 (forced: the rule takes 4); float32
+    (128, 1, 1, 384, 512, "bf16", 3, 32, None),  # CTAs of 32 heads over 3: 11, 11, 10; d_qk 512
+])
+def test_decode_uneven_cluster_slices(h, b, s_q, topk, d, parts, n_want, rows, forced, monkeypatch):
+    """A cluster size that does not divide the CTA's heads (MLA_KERNELS_DECODE_RESPLIT=fit, the
+    default): the last CTAs merge fewer heads and the merging threads past the slice store
+    nothing -- every option, poisoned outputs, bitwise repeats, the combine kernel's result."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    monkeypatch.delenv("MLA_KERNELS_DECODE_COMBINE", raising=False)
+    monkeypatch.delenv("MLA_KERNELS_DECODE_RESPLIT", raising=False)
+    monkeypatch.setenv("MLA_KERNELS_DECODE_CLUSTER_PARTS", parts)
+    c = dcase(b, s_q, h, topk, d=d, tl="b", sink=True, bias=True, seed=3 + h + b, seq_len=2304)
+    plan = mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=forced)
+    assert (plan.num_splits, plan.state["cluster"], plan.state["rows"]) == (n_want, n_want, rows)
+
+    def separate():
+        return mk.decode_plan(b, s_q, h, topk, d_qk=d, device="cuda", with_max_logits=True, num_splits=n_want)
+
+    cluster_repeats_and_separate(monkeypatch, c, plan, separate, parts)
+
+
 @pytest.mark.parametrize("h,b,s_q,topk,d,parts,splits", [
     (16, 1, 1, 2048, 576, "bf16", None),  # the narrow kernel's b 1: one cluster of 16 (the default rule)
     (16, 1, 1, 2048, 576, "f32", None),

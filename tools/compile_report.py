@@ -104,6 +104,8 @@ def kernels_for(arch):
              lambda a, **kw: compile_decode(576, 128, True, a, cluster=16, cluster_l2=True, **kw)),
             ("sm90_decode_d576_h128_cluster16_rows32",
              lambda a, **kw: compile_decode(576, 128, True, a, cluster=16, cluster_bf16=True, rows=32, **kw)),
+            ("sm90_decode_d576_h64_cluster6",  # 64 heads over 6 CTAs: uneven merge slices
+             lambda a, **kw: compile_decode(576, 64, True, a, cluster=6, cluster_bf16=True, **kw)),
             ("sm90_decode_d512_h64_cluster4_bf16",
              lambda a, **kw: compile_decode(512, 64, True, a, cluster=4, cluster_bf16=True, **kw)),
             ("sm90_decode_narrow_d576_h32_split", lambda a, **kw: compile_decode_narrow(576, 32, True, a, **kw)),

@@ -30,6 +30,9 @@ from . import decode_parts as dp
 from . import device as dev
 
 CLUSTER_SIZES = (2, 4, 8, 16)
+#: every cluster size the merge serves (2..16; 16 is the largest non-portable size): a split count
+#: that does not divide the CTA's heads gives the last CTAs fewer heads (:func:`slice_shape`)
+MERGE_SIZES = tuple(range(2, 17))
 
 
 def row_stride_bytes(d_v: int, bf16: bool) -> int:
@@ -93,12 +96,19 @@ def stage_o_rows(x_addr: Int32, acc_o: cute.Tensor, row: Int32, col0: Int32, odd
 
 def slice_shape(n_rows: int, n: int):
     """``(heads, column parts)`` of one CTA's merge slice: ``n_rows / n`` whole heads when ``n``
-    divides ``n_rows``; else (``n_rows`` divides ``n``: more CTAs than heads, e.g. the narrow
-    kernel's 8 heads over 16 CTAs) one head each, a ``1 / (n / n_rows)`` share of its columns."""
+    divides ``n_rows``; when ``n_rows`` divides ``n`` (more CTAs than heads, e.g. the narrow
+    kernel's 8 heads over 16 CTAs) one head each, a ``1 / (n / n_rows)`` share of its columns;
+    else ``ceil(n_rows / n)`` heads, fewer in the last CTAs (64 heads over 6 CTAs: 11, 11, 11,
+    11, 11, 9)."""
     if n_rows % n == 0:
         return n_rows // n, 1
-    assert n % n_rows == 0, (n_rows, n)
-    return 1, n // n_rows
+    if n % n_rows == 0:
+        return 1, n // n_rows
+    return -(-n_rows // n), 1
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
 
 
 def merge_threads(n_rows: int, n: int, d_v: int, bf16: bool, max_threads: int) -> int:
@@ -109,10 +119,11 @@ def merge_threads(n_rows: int, n: int, d_v: int, bf16: bool, max_threads: int) -
     threads each; half of one of its 8 heads over 16 CTAs: 32)."""
     hp, cp = slice_shape(n_rows, n)
     chunks = d_v // (8 if bf16 else 4) // cp
-    tph = min(chunks, max_threads // hp)
-    tph = 1 << (tph.bit_length() - 1)  # (a power of two already unless hp is not one)
-    assert tph >= n and chunks % tph == 0 and (tph * hp) % 32 == 0, (n_rows, n, tph)
-    return tph * hp
+    tph = _pow2_floor(min(chunks, max_threads // hp))  # (a power of two already unless hp is not one)
+    threads = -(-tph * hp // 32) * 32  # whole warps (an uneven slice's last warp may idle in part)
+    assert tph >= n and chunks % tph == 0 and threads <= max_threads, (n_rows, n, tph)
+    assert n_rows % n or threads == tph * hp
+    return threads
 
 
 @cute.jit
@@ -146,9 +157,10 @@ def merge_slice(
     segment reduces them by shuffles, and each thread then reads its 16-byte chunks of every
     peer's row (chunk ``j + k * threads_per_head``: a warp reads contiguous bytes), weights them
     and stores its bf16 columns."""
-    hp, cp = slice_shape(n_rows, n)  # heads merged by this CTA, CTAs per head
-    tph = n_threads // hp  # threads per head
-    assert tph * hp == n_threads and tph >= n
+    hp, cp = slice_shape(n_rows, n)  # heads merged by this CTA (at most), CTAs per head
+    uneven = n_rows % n != 0 and n % n_rows != 0
+    tph = _pow2_floor(n_threads // hp)  # threads per head
+    assert (tph * hp == n_threads or uneven) and tph >= n
     seg = min(tph, 32)  # lanes of one head within a warp
     vec = 8 if cutlass.const_expr(bf16) else 4  # elements per 16-byte chunk
     chunks = d_v // vec // cp  # of this CTA's slice of a row
@@ -158,9 +170,16 @@ def merge_slice(
 
     hl = tid // tph
     j = tid % tph
+    valid = True
     if cutlass.const_expr(cp > 1):
         row = rank // cp
         j = j + (rank % cp) * chunks  # the slice's first chunk of the row, plus this thread's
+    elif cutlass.const_expr(uneven):
+        # the last CTAs hold fewer heads, and the last warp may run past the slice: such threads
+        # read a valid row (every lane takes part in the segment's shuffles) and store nothing
+        row = rank * hp + hl
+        valid = (hl < hp) & (row < n_rows)
+        row = cutlass.min(row, Int32(n_rows - 1))
     else:
         row = rank * hp + hl
     lane = tid % 32
@@ -211,6 +230,19 @@ def merge_slice(
         f = Float32(cutlass.select_(nonempty, f, Float32(0.0)))
         for i in cutlass.range_constexpr(cpt * vec):
             acc[i] = acc[i] * f
+    if cutlass.const_expr(uneven):
+        if valid:
+            _store_slice(acc, mOut, mLse, mML, flags, token, head, h_q, d_v, bf16, j, tph, cpt, vec, lse, ml)
+    else:
+        _store_slice(acc, mOut, mLse, mML, flags, token, head, h_q, d_v, bf16, j, tph, cpt, vec, lse, ml)
+
+
+@cute.jit
+def _store_slice(acc, mOut: cute.Tensor, mLse: cute.Tensor, mML: cute.Tensor, flags: Int32, token: Int32, head: Int32,
+                 h_q: Int32, d_v: cutlass.Constexpr, bf16: cutlass.Constexpr, j: Int32, tph: cutlass.Constexpr,
+                 cpt: cutlass.Constexpr, vec: cutlass.Constexpr, lse: Float32, ml: Float32):
+    """A merging thread's bf16 output columns of ``head`` (and, thread 0 of the head, its lse and
+    max logit)."""
     out_row = (Int64(token) * h_q + head) * d_v
     o_addr = dev.gmem_addr_i64(mOut.iterator) + out_row * 2
     for k in cutlass.range_constexpr(cpt):

@@ -164,6 +164,9 @@ DEFAULT_COMBINE = "auto"
 ENV_CLUSTER_MAX = "MLA_KERNELS_DECODE_CLUSTER_MAX"
 ENV_CLUSTER_PARTS = "MLA_KERNELS_DECODE_CLUSTER_PARTS"
 CLUSTER_SIZES = (2, 4, 8, 16)
+#: the sizes the DSMEM merge serves (``common/cluster_merge.MERGE_SIZES``, which imports the DSL):
+#: the ``auto`` rule with ``MLA_KERNELS_DECODE_RESPLIT=fit`` takes any of them
+MERGE_SIZES = tuple(range(2, 17))
 DEFAULT_CLUSTER_MAX = 16
 #: ``auto`` may lower a 64-head plan's split count to this cluster size when clusters of its own
 #: split count do not all fit on the GPU (measured on an H200, docs/PERF.md: b 2, s_q 2, h_q 128 --
@@ -235,18 +238,21 @@ def cluster_capacity(device: torch.device, cluster: int, num_sms: int) -> int:
 
 
 def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_CLUSTER_PARTS) -> int:
-    """The cluster size a plan's kernel runs with (0: none): clusters of 2, 4, 8 or 16 CTAs, at
-    most ``max_cluster``:
+    """The cluster size a plan's kernel runs with (0: none), at most ``max_cluster``:
 
-    * ``cluster``: the plan's split count when it is such a size (whether or not all clusters fit
-      at once -- those that do not wait for a free GPC);
-    * ``auto``: the split count if the plan's ``rows`` clusters of that size fit on the GPU at once
-      (:func:`cluster_capacity`); else, unless the split count was forced, a smaller size by
-      :func:`resplit_mode` -- ``fit``: the largest size below the split count whose ``rows``
-      clusters fit, whose splits deal the blocks evenly and hold at most
-      :data:`RESPLIT_MAX_BLOCKS` blocks each; ``8``: ``AUTO_RESPLIT`` (8) under the same
-      conditions for a 64-head plan of more than 8 splits -- the caller then lowers the plan's
-      split count to it; else 0 (the combine kernel).
+    * ``cluster``: the plan's split count when it is 2, 4, 8 or 16 (whether or not all clusters
+      fit at once -- those that do not wait for a free GPC);
+    * ``auto``: the split count if it is a cluster size (:data:`MERGE_SIZES`, 2..16, by
+      :func:`resplit_mode` ``fit``; 2, 4, 8 or 16 by ``8`` or with the L2 staging) and the plan's
+      ``rows`` clusters of that size fit on the GPU at once (:func:`cluster_capacity`); else,
+      unless the split count was forced, a smaller size -- ``fit``: of the sizes below the split
+      count whose ``rows`` clusters fit, whose splits deal the blocks evenly and hold at most
+      :data:`RESPLIT_MAX_BLOCKS` blocks each, the one with the fewest block pairs per split (the
+      kernels take blocks in pairs: 7 blocks cost as much as 8), then the smallest (16 rows of 64
+      heads: 6 splits of 6 blocks in clusters of 6 -- 64 heads over 6 CTAs merge 11, 11, 11, 11,
+      11 and 9 heads; 20 rows: 4 splits, not 5 of 7 blocks); ``8``:
+      ``AUTO_RESPLIT`` (8) under the same conditions for a 64-head plan of more than 8 splits --
+      the caller then lowers the plan's split count to it; else 0 (the combine kernel).
 
     The narrow kernel (h_q 8..32, one CTA row per token) takes the same rule with sizes that
     divide h_q or that h_q divides (8 heads over 16 CTAs: each merges half of a head's columns)
@@ -257,7 +263,11 @@ def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_C
     if mode not in ("cluster", "auto") or plan.num_splits <= 1:
         return 0
     n = plan.num_splits
-    ok = n in CLUSTER_SIZES and n <= max_cluster
+    fit = mode == "auto" and resplit_mode() == "fit"
+    # fit: any size 2..16 for the DSMEM merge (uneven head slices where it does not divide the
+    # heads); the L2 staging, the forced `cluster` mode and the earlier rule keep the powers of two
+    sizes_ok = MERGE_SIZES if fit and staging != "l2" else CLUSTER_SIZES
+    ok = n in sizes_ok and n <= max_cluster
     narrow = plan.h_q in NARROW_HEADS
 
     def narrow_ok(c):  # the narrow kernel's merge: whole heads or column parts of one per CTA
@@ -274,19 +284,21 @@ def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_C
     if plan.forced_splits:
         return 0
     n_blocks = max(1, -(-plan.topk // 64))
-    if resplit_mode() == "fit":
-        sizes = [c for c in CLUSTER_SIZES if c < n and c <= max_cluster and (not narrow or narrow_ok(c))]
+    if fit:
+        sizes = [c for c in sizes_ok if c < n and c <= max_cluster and (not narrow or narrow_ok(c))]
         max_blocks = RESPLIT_MAX_BLOCKS["narrow" if narrow else "wide"]
     else:
         sizes = [] if narrow or n <= AUTO_RESPLIT or AUTO_RESPLIT > max_cluster else [AUTO_RESPLIT]
         max_blocks = n_blocks
-    for c in sorted(sizes, reverse=True):
+    best = None  # (block pairs per split, c): the kernels take a split's blocks in pairs, so an
+    # odd count costs a whole pair -- fewest pairs first, then the fewest CTAs
+    for c in sizes:
         bps = -(-n_blocks // c)
         if -(-n_blocks // bps) != c or bps > max_blocks:  # c splits would leave one empty / be too long
             continue
         if rows <= cluster_capacity(plan.device, c, sms):
-            return c
-    return 0
+            best = min(best or ((bps + 1) // 2, c), ((bps + 1) // 2, c))
+    return best[1] if best else 0
 
 
 #: a PTX kernel that does nothing: the occupancy probe's stand-in for a decode kernel (the driver

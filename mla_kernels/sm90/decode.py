@@ -81,8 +81,10 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # ``cluster_l2``: the partials go through the float32 workspace in global memory (L2) as in
         # plain split mode, the cluster barrier orders them, and each CTA merges a slice of the
         # row's heads with the combine's per-row merge (the fused kernel's argument contract)
-        if cluster and (not split or fused or parts_bf16 or cluster not in cm.CLUSTER_SIZES):
-            raise ValueError(f"cluster merge needs split mode, float32 parts and a size in {cm.CLUSTER_SIZES}")
+        if cluster and (not split or fused or parts_bf16 or cluster not in cm.MERGE_SIZES
+                        or (cluster_l2 and cluster not in cm.CLUSTER_SIZES)):
+            raise ValueError(f"cluster merge needs split mode, float32 parts and a size of 2..16 "
+                             f"({cm.CLUSTER_SIZES} with the L2 staging), got {cluster}")
         self.cluster = cluster if split else 0
         self.cluster_l2 = cluster_l2 and bool(self.cluster)
         self.cluster_dsmem = bool(self.cluster) and not self.cluster_l2
