@@ -40,9 +40,9 @@ clusters of 16, 15 of 8, 17 of 6, 30 of 4, 66 of 2), else a smaller cluster size
 the narrow kernel), with the fewest block pairs per split, then the fewest CTAs -- e.g. b 2,
 s_q 2, h_q 128 (8 rows): 8 splits in clusters of 8; b 16, h_q 64: 6 splits in clusters of 6
 (``MLA_KERNELS_DECODE_RESPLIT=8`` restores the earlier rule: only 8 splits, only for 64 heads)
---, else the combine kernel (on an H200 at topk 2048: 16-26 and 31-44 rows of the narrow
-kernel at h_q 8 / 16 / 32, 31-33 and 40-44 rows of 64 heads; 34-39 rows of 64 heads run their 3
-splits in clusters of 3).  A CTA of a cluster merges ``ceil(heads / n)`` heads (the last
+--, else the combine kernel (on an H200 at topk 2048: 16-26, 31-33 and 40-44 rows of the
+narrow kernel, 31-33 and 40-44 rows of 64 heads; 34-39 rows run their 3 splits in clusters of
+3).  A CTA of a cluster merges ``ceil(heads / n)`` heads (the last
 ones fewer), or with more CTAs than heads (the narrow kernel's 8 heads over 16 CTAs) half of
 one head's columns.  ``num_splits`` can be forced per plan (``auto`` then never changes it).
 

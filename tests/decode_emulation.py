@@ -64,8 +64,8 @@ def make_decode_kernel(d_qk: int, h_q: int, split: bool, calls: Calls, fused: bo
         topk = idx.shape[2]
         if cluster and not cluster_l2:  # the row's CTAs merge over DSMEM and write the direct mode's outputs
             # (the 64-head kernel's rows of 64 heads, or the narrow kernel's token of h_q heads,
-            # which the cluster's CTAs merge h_q / cluster heads each)
-            assert split and n_splits == cluster and (h % 64 == 0 or (h <= 32 and h % cluster == 0))
+            # which the cluster's CTAs merge ceil(h_q / cluster) heads each, the last ones fewer)
+            assert split and n_splits == cluster and 2 <= cluster <= 16 and (h % 64 == 0 or h <= 32)
             assert out.shape == (b, s_q, h, 512) and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
             assert not (flags & dh.F_SINK) or sink.shape == (h,)
         elif split:

@@ -328,10 +328,12 @@ def test_sm90_host_side_with_emulated_kernels(emulated_sm90, h, num_splits, comb
     out, lse, ml = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, tl, sink, q_bias=bias, plan=plan, **kw)
     kinds = [c[0] for c in emulated_sm90.calls.log]
     fused = plan.split and combine == "fused"
-    # the cluster merge serves split counts 2/4/8/16 -- the narrow kernel's where they divide h_q
-    # and the staging is DSMEM -- (else: the combine kernel)
-    cluster = plan.split and combine in ("cluster", "auto") and plan.num_splits in (2, 4, 8, 16)
-    cluster = cluster and (h % 64 == 0 or (h % plan.num_splits == 0 and not l2))
+    # the cluster merge serves split counts 2..16 by the auto rule (2/4/8/16 in the forced cluster
+    # mode, the narrow kernel's there only where they divide h_q), the narrow kernel's with a
+    # DSMEM staging only (else: the combine kernel)
+    sizes = range(2, 17) if combine == "auto" and not l2 else (2, 4, 8, 16)
+    cluster = plan.split and combine in ("cluster", "auto") and plan.num_splits in sizes
+    cluster = cluster and (h % 64 == 0 or ((combine == "auto" or h % plan.num_splits == 0) and not l2))
     # auto: only if the rows' clusters fit at once (on the CPU: the documented fallback capacity)
     rows = b * s_q * (h // 64 if h % 64 == 0 else 1)
     cluster = cluster and (combine == "cluster" or rows <= 132 // plan.num_splits // 2)
@@ -724,7 +726,8 @@ def test_cluster_knobs_and_size_rule(monkeypatch):
     assert size(plan(64, 6, 20), "auto", 16) == 4 and size(plan(64, 7, 17), "auto", 16) == 6
     # a plan's own split count of 3 (11 blocks: the bound is for re-splits) where 39 clusters fit
     assert [size(plan(64, 3, b), "auto", 16) for b in (36, 39, 40)] == [3, 3, 0]
-    assert size(plan(16, 3, 36), "auto", 16) == 0 and size(plan(24, 3, 36), "auto", 16) == 3  # 16 % 3
+    # the narrow kernel too, with uneven slices (16 heads over 3 CTAs: 6, 5, 5)
+    assert size(plan(16, 3, 36), "auto", 16) == 3 and size(plan(24, 16, 5), "auto", 16) == 16
     assert size(plan(128, 16, 2, 2), "auto", 16) == 8 and size(plan(128, 16, 2, 2), "auto", 4) == 4
     # 21 blocks: 8..10 splits would leave one empty; 7 splits of 3 blocks take as many block pairs
     # (2) as 6 of 4: the fewer CTAs, 6

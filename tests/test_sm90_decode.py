@@ -251,6 +251,9 @@ def test_decode_resplit_fit(h, b, s_q, n_before, monkeypatch):
     (64, 16, 1, 2048, 576, "bf16", 6, 64, None),  # 64 heads over 6 CTAs: 11, 11, 11, 11, 11, 9
     (64, 20, 1, 2048, 576, "f32", 5, 64, 5),  # 13, 13, 13, 13, 12 (forced: the rule takes 4); float32
     (128, 1, 1, 384, 512, "bf16", 3, 32, None),  # CTAs of 32 heads over 3: 11, 11, 10; d_qk 512
+    (16, 16, 1, 2048, 576, "bf16", 6, 64, 6),  # the narrow kernel: 16 heads over 6 CTAs (3 x 5 + 1)
+    (32, 36, 1, 2048, 576, "f32", 3, 64, None),  # 32 heads over 3 (11, 11, 10), float32 staging
+    (8, 2, 1, 2048, 512, "bf16", 5, 64, 5),  # 8 heads over 5 (2, 2, 2, 2, 0: the last CTA merges none)
 ])
 def test_decode_uneven_cluster_slices(h, b, s_q, topk, d, parts, n_want, rows, forced, monkeypatch):
     """A cluster size that does not divide the CTA's heads (MLA_KERNELS_DECODE_RESPLIT=fit, the

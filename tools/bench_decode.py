@@ -83,6 +83,7 @@ EXTRA = [
     ("b32-sq1-h32", 32, 1, 32, 2048, 32768, 64),
     ("b16-sq1-h64", 16, 1, 64, 2048, 32768, 64),
     ("b32-sq1-h64", 32, 1, 64, 2048, 32768, 64),
+    ("b36-sq1-h16", 36, 1, 16, 2048, 32768, 64),  # 3 splits: clusters of 3 (6 / 5 / 5 heads)
     ("b36-sq1-h64", 36, 1, 64, 2048, 32768, 64),
     ("v32-b18-sq1-h128", 18, 1, 128, 2048, 32768, 64),  # 36 rows of 64 heads: likewise  # 3 splits: clusters of 3 (39 fit; 22 / 22 / 20 heads)
     ("b20-sq1-h64", 20, 1, 64, 2048, 32768, 64),  # 6 splits' clusters do not fit: 4 (5 would hold 7 blocks)

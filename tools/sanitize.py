@@ -95,7 +95,7 @@ GROUPS = (
                                              "decode_auto_cluster8_h128", "decode_cluster4_h128_rows32",
                                              "decode_cluster16_h64_rows32", "decode_narrow_cluster16_h16",
                                              "decode_narrow_cluster4_h32_f32", "decode_narrow_cluster16_h8",
-                                             "decode_cluster6_h64", "merge")),
+                                             "decode_cluster6_h64", "decode_narrow_cluster6_h16", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 #: ``--ops``: the comma-separated ops each group keeps (the sanitized processes read it from here)
@@ -374,6 +374,9 @@ def _decode_steps(g: Group, step, dev) -> None:
             topk=2048, b=1)
     if "decode_cluster6_h64" in g.ops:  # 6 forced splits in a cluster of 6: 64 heads merged 11 / 9 per CTA
         run("decode_cluster6_h64", 64, 576, 6, "auto", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"}, topk=2048, b=2)
+    if "decode_narrow_cluster6_h16" in g.ops:  # 6 forced splits: 16 heads merged 3 / 1 per CTA
+        run("decode_narrow_cluster6_h16", 16, 576, 6, "auto", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"},
+            topk=2048, b=2)
     if "decode_narrow_cluster16_h8" in g.ops:  # b 1 at h_q 8: 16 CTAs, each merges half of a head's columns
         run("decode_narrow_cluster16_h8", 8, 576, 16, "cluster", {"MLA_KERNELS_DECODE_CLUSTER_PARTS": "bf16"},
             topk=2048, b=1)

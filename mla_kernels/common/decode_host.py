@@ -184,7 +184,7 @@ DEFAULT_RESPLIT = "fit"
 #: blocks per split up to which ``fit`` trades the combine kernel for fewer splits in clusters
 #: (H200, graph steps, docs/PERF.md: the 64-head kernel's 8 -> 4 splits 0.81-0.95x the time with
 #: the combine kernel, 4 -> 2 (16 blocks) 1.04-1.12x; the narrow kernel's 16 -> 8 0.95-0.98x,
-#: 8 -> 4 (8 blocks) 1.02-1.07x)
+#: 8 -> 4 (8 blocks) 1.02-1.07x, 8 -> 6 (6 blocks) 1.01-1.08x)
 RESPLIT_MAX_BLOCKS = {"wide": 8, "narrow": 4}
 
 
@@ -254,9 +254,10 @@ def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_C
       ``AUTO_RESPLIT`` (8) under the same conditions for a 64-head plan of more than 8 splits --
       the caller then lowers the plan's split count to it; else 0 (the combine kernel).
 
-    The narrow kernel (h_q 8..32, one CTA row per token) takes the same rule with sizes that
-    divide h_q or that h_q divides (8 heads over 16 CTAs: each merges half of a head's columns)
-    and a DSMEM ``staging`` (``bf16`` / ``f32``; it has no L2 staging).
+    The narrow kernel (h_q 8..32, one CTA row per token) takes the same rule with a DSMEM
+    ``staging`` (``bf16`` / ``f32``; it has no L2 staging): with ``fit`` any size (16 heads over 3
+    CTAs: 6, 5, 5; 8 heads over 16 CTAs: each merges half of a head's columns), else sizes that
+    divide h_q or that h_q divides.
     """
     from ..decode import device_sm_count
 
@@ -270,8 +271,8 @@ def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_C
     ok = n in sizes_ok and n <= max_cluster
     narrow = plan.h_q in NARROW_HEADS
 
-    def narrow_ok(c):  # the narrow kernel's merge: whole heads or column parts of one per CTA
-        return (plan.h_q % c == 0 or c % plan.h_q == 0) and staging != "l2"
+    def narrow_ok(c):  # the narrow kernel's merge: whole heads (or column parts of one) per CTA
+        return staging != "l2" and (fit or plan.h_q % c == 0 or c % plan.h_q == 0)
 
     if narrow:
         ok = ok and narrow_ok(n)

@@ -169,8 +169,9 @@ def compile_decode_narrow(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a"
                           cluster_bf16: bool = False, cluster_l2: bool = False, **kw):
     """Compile the sm90 decode for h_q 8/16/24/32 (heads on the MMA's N side; no GPU needed);
     ``fused`` (split only): the combine folded in; ``parts_bf16`` (split, not fused): bf16 partial
-    outputs; ``cluster`` (split only: 2, 4, 8 or 16 dividing h_q): a token's splits merge over
-    DSMEM as one cluster and the kernel writes the bf16 output (the direct mode's arguments),
+    outputs; ``cluster`` (split only: 2..16 CTAs, each merging ceil(h_q / cluster) heads or a
+    share of one head's columns): a token's splits merge over DSMEM as one cluster and the kernel
+    writes the bf16 output (the direct mode's arguments),
     ``cluster_bf16``: the staged partials in bf16.  ``cluster_l2`` (the 64-head kernel's L2
     staging) is not built for this kernel: a ValueError."""
     from ..common.decode_host import compile_decode_kernel

@@ -84,10 +84,9 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         # split mode: the token's splits run as one cluster of ``cluster`` CTAs and merge over DSMEM
         # (each CTA merges h_q / cluster heads); the kernel then writes the bf16 output like direct
         # mode.  ``cluster_bf16``: the staged partials rounded to bf16 (half the DSMEM bytes)
-        if cluster and (not split or self.fused or self.parts_bf16 or cluster not in cm.MERGE_SIZES
-                        or (h_q % cluster and cluster % h_q)):
-            raise ValueError(f"narrow cluster merge needs split mode, float32 parts, a size of 2..16 "
-                             f"and h_q % cluster == 0 or cluster % h_q == 0 (h_q {h_q}, cluster {cluster})")
+        if cluster and (not split or self.fused or self.parts_bf16 or cluster not in cm.MERGE_SIZES):
+            raise ValueError(f"narrow cluster merge needs split mode, float32 parts and a size of 2..16 "
+                             f"(h_q {h_q}, cluster {cluster})")
         self.cluster = cluster if split else 0
         self.cluster_bf16 = cluster_bf16 and bool(self.cluster)
         self.n_merge = cm.merge_threads(h_q, self.cluster, d_v, self.cluster_bf16, 256) if self.cluster else 0
