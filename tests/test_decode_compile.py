@@ -152,35 +152,28 @@ def test_cluster_merge(report):
     assert sass.get("STG.E.128", 0) == 0  # no float32 parts; the merged bf16 columns are 8-byte stores
 
 
-def test_cluster_merge_32_head_ctas(report):
-    """MLA_KERNELS_DECODE_CLUSTER_ROWS=32 (the default where twice the clusters fit): the same
-    decode (the wgmma tile's other 32 rows zero-filled by the Q load's cp.async, nothing read for
-    them), 0 spills, and a merge of 2 heads per CTA: each of the 128 merging threads reads its
-    16-byte chunk of the row from each of the 16 peers (bf16 staging) -- half the DSMEM bytes of
-    64-head CTAs."""
-    r = report["sm90_decode_d576_h128_cluster16_rows32"]
-    assert 0 < r["smem_bytes"] <= SMEM_LIMIT and r["spill_bytes"] == 0
-    sass, base = _common(r)
-    assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
-    assert base.get("LDGSTS", 0) == 72 + q_chunks(64)
-    # (ptxas lays the merge out twice -- 15 of its 16 DSMEM loads in each copy, one shared -- and
-    # copies the last cluster wait into both sides of the merge's thread gate: 6 wait sites; each
-    # thread runs one of them)
-    assert sass.get("UCGABAR_ARV", 0) == 4 and 4 <= sass.get("UCGABAR_WAIT", 0) <= 6
-    assert 16 <= sass.get("LD.E.128", 0) <= 32
+@pytest.mark.parametrize("name,ld_range", [("sm90_decode_d576_h128_cluster16_rows32", (16, 32)),
+                                             ("sm90_decode_d576_h64_cluster6", (24, 48))])
+def test_cluster_merge_smaller_slices(report, name, ld_range):
+    """The 64-head kernel's DSMEM merge with other slices than 64 / 16 heads -- the same decode,
+    0 spills, two cluster barriers per warp role (ptxas may copy the last wait into both sides of
+    the merge's thread gate: up to 6 wait sites), and the merge's DSMEM loads:
 
-
-def test_cluster_merge_uneven_slices(report):
-    """A cluster of 6 CTAs over 64 heads (the ``fit`` rule's size for 16 rows): the same decode,
-    0 spills, and a merge of up to 11 heads per CTA -- 16 threads per head, each reading its 4
-    16-byte chunks of the row from each of the 6 peers (bf16 staging)."""
-    r = report["sm90_decode_d576_h64_cluster6"]
+    * MLA_KERNELS_DECODE_CLUSTER_ROWS=32 (the default where twice the clusters fit): CTAs of 32
+      heads (the wgmma tile's other 32 rows zero-filled by the Q load's cp.async, nothing read for
+      them), 2 heads merged per CTA: each of the 128 merging threads reads its 16-byte chunk of
+      the row from each of the 16 peers (bf16 staging) -- half the DSMEM bytes of 64-head CTAs
+      (ptxas lays the merge out twice: 15 of its 16 loads in each copy, one shared);
+    * a cluster of 6 CTAs over 64 heads (the ``fit`` rule's size for 16 rows): up to 11 heads
+      per CTA, 16 threads per head, each reading its 4 16-byte chunks of the row from each of the
+      6 peers."""
+    r = report[name]
     assert 0 < r["smem_bytes"] <= SMEM_LIMIT and r["spill_bytes"] == 0
     sass, base = _common(r)
     assert sass.get("HGMMA.64x64x16.F32.BF16", 0) == 108 and sass.get("HGMMA.64x256x16.F32.BF16", 0) == 16
     assert base.get("LDGSTS", 0) == 72 + q_chunks(64)
     assert sass.get("UCGABAR_ARV", 0) == 4 and 4 <= sass.get("UCGABAR_WAIT", 0) <= 6
-    assert 24 <= sass.get("LD.E.128", 0) <= 48
+    assert ld_range[0] <= sass.get("LD.E.128", 0) <= ld_range[1]
 
 
 def test_cluster_merge_through_l2(report):

@@ -72,7 +72,7 @@ EXTRA = [
     ("b4-sq1-h16", 4, 1, 16, 2048, 32768, 64),
     ("b1-sq2-h32", 1, 2, 32, 2048, 32768, 64),
     ("b4-sq1-h32", 4, 1, 32, 2048, 32768, 64),
-    ("b1-sq1-h8", 1, 1, 8, 2048, 32768, 64),  # 16 splits cannot share 8 heads: the combine kernel
+    ("b1-sq1-h8", 1, 1, 8, 2048, 32768, 64),  # 16 splits over 8 heads: each CTA merges half a head
     # mid batches: split plans whose own clusters do not fit (the combine kernel, or with
     # MLA_KERNELS_DECODE_RESPLIT=fit fewer splits in clusters that do)
     ("b8-sq1-h8", 8, 1, 8, 2048, 32768, 64),
@@ -84,8 +84,8 @@ EXTRA = [
     ("b16-sq1-h64", 16, 1, 64, 2048, 32768, 64),
     ("b32-sq1-h64", 32, 1, 64, 2048, 32768, 64),
     ("b36-sq1-h16", 36, 1, 16, 2048, 32768, 64),  # 3 splits: clusters of 3 (6 / 5 / 5 heads)
-    ("b36-sq1-h64", 36, 1, 64, 2048, 32768, 64),
-    ("v32-b18-sq1-h128", 18, 1, 128, 2048, 32768, 64),  # 36 rows of 64 heads: likewise  # 3 splits: clusters of 3 (39 fit; 22 / 22 / 20 heads)
+    ("b36-sq1-h64", 36, 1, 64, 2048, 32768, 64),  # 3 splits: clusters of 3 (39 fit; 22 / 22 / 20 heads)
+    ("v32-b18-sq1-h128", 18, 1, 128, 2048, 32768, 64),  # 36 rows of 64 heads: likewise
     ("b20-sq1-h64", 20, 1, 64, 2048, 32768, 64),  # 6 splits' clusters do not fit: 4 (5 would hold 7 blocks)
     ("v32-b8-sq1-h128", 8, 1, 128, 2048, 32768, 64),
     ("v32-b4-sq2-h128", 4, 2, 128, 2048, 32768, 64),

@@ -28,11 +28,10 @@ from cutlass import Float32, Int32, Int64
 
 from . import decode_parts as dp
 from . import device as dev
-
-CLUSTER_SIZES = (2, 4, 8, 16)
-#: every cluster size the merge serves (2..16; 16 is the largest non-portable size): a split count
-#: that does not divide the CTA's heads gives the last CTAs fewer heads (:func:`slice_shape`)
-MERGE_SIZES = tuple(range(2, 17))
+# the cluster sizes live with the plan's rule (host code, no DSL): 2, 4, 8, 16 (the forced
+# ``cluster`` mode, the L2 staging) and every size the merge serves, 2..16 (a split count that does
+# not divide the CTA's heads gives the last CTAs fewer heads: slice_shape)
+from .decode_host import CLUSTER_SIZES, MERGE_SIZES  # noqa: F401
 
 
 def row_stride_bytes(d_v: int, bf16: bool) -> int:

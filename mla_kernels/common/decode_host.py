@@ -164,8 +164,9 @@ DEFAULT_COMBINE = "auto"
 ENV_CLUSTER_MAX = "MLA_KERNELS_DECODE_CLUSTER_MAX"
 ENV_CLUSTER_PARTS = "MLA_KERNELS_DECODE_CLUSTER_PARTS"
 CLUSTER_SIZES = (2, 4, 8, 16)
-#: the sizes the DSMEM merge serves (``common/cluster_merge.MERGE_SIZES``, which imports the DSL):
-#: the ``auto`` rule with ``MLA_KERNELS_DECODE_RESPLIT=fit`` takes any of them
+#: every size the DSMEM merge serves (``common/cluster_merge.merge_slice``: 2..16, uneven head
+#: slices where it does not divide the heads); the ``auto`` rule with
+#: ``MLA_KERNELS_DECODE_RESPLIT=fit`` takes any of them
 MERGE_SIZES = tuple(range(2, 17))
 DEFAULT_CLUSTER_MAX = 16
 #: ``auto`` may lower a 64-head plan's split count to this cluster size when clusters of its own
@@ -202,9 +203,8 @@ def combine_mode() -> str:
     (the combine kernel after the decode kernel, two launches), ``fused`` (one launch: the last
     CTA of each row merges it) or ``cluster`` (one launch: the row's split CTAs run as one
     thread-block cluster and merge over DSMEM, ``common/cluster_merge.py``; split counts
-    2/4/8/16, for the narrow kernel only those dividing h_q or divided by it -- other plans fall back to
-    ``separate``).  docs/PERF.md says which
-    measures faster."""
+    2/4/8/16, for the narrow kernel only those dividing h_q or divided by it -- other plans fall
+    back to ``separate``).  docs/PERF.md says which measures faster."""
     return fastpath.knob_choice(ENV_COMBINE, COMBINE_MODES, DEFAULT_COMBINE)
 
 
@@ -291,15 +291,12 @@ def cluster_size_for(plan, mode: str, max_cluster: int, staging: str = DEFAULT_C
     else:
         sizes = [] if narrow or n <= AUTO_RESPLIT or AUTO_RESPLIT > max_cluster else [AUTO_RESPLIT]
         max_blocks = n_blocks
-    best = None  # (block pairs per split, c): the kernels take a split's blocks in pairs, so an
-    # odd count costs a whole pair -- fewest pairs first, then the fewest CTAs
-    for c in sizes:
-        bps = -(-n_blocks // c)
-        if -(-n_blocks // bps) != c or bps > max_blocks:  # c splits would leave one empty / be too long
-            continue
-        if rows <= cluster_capacity(plan.device, c, sms):
-            best = min(best or ((bps + 1) // 2, c), ((bps + 1) // 2, c))
-    return best[1] if best else 0
+    # (block pairs per split, c) of the sizes whose clusters fit, whose splits deal the blocks evenly
+    # (none empty) and stay short enough: the kernels take a split's blocks in pairs, so an odd count
+    # costs a whole pair -- fewest pairs first, then the fewest CTAs
+    fits = [(-(-bps // 2), c) for c, bps in ((c, -(-n_blocks // c)) for c in sizes)
+            if -(-n_blocks // bps) == c and bps <= max_blocks and rows <= cluster_capacity(plan.device, c, sms)]
+    return min(fits)[1] if fits else 0
 
 
 #: a PTX kernel that does nothing: the occupancy probe's stand-in for a decode kernel (the driver

@@ -146,8 +146,8 @@ def compile_decode(d_qk: int, h_q: int, split: bool, arch: str = "sm_90a", l2_pr
                    cluster_bf16: bool = False, cluster_l2: bool = False, **kw):
     """Compile the sm90 split decode for h_q a multiple of 64 (no GPU needed); ``fused`` (split
     only): the combine folded in; ``parts_bf16`` (split, not fused): bf16 partial outputs;
-    ``cluster`` (split only: 2..16 CTAs; 2, 4, 8 or 16 with ``cluster_l2``): the splits of a row merge over DSMEM as one cluster
-    and the kernel writes the bf16 output (the direct mode's arguments), ``cluster_bf16``: the
+    ``cluster`` (split only: 2..16 CTAs; 2, 4, 8 or 16 with ``cluster_l2``): the splits of a row
+    merge over DSMEM as one cluster and the kernel writes the bf16 output (the direct mode's arguments), ``cluster_bf16``: the
     staged partials in bf16; ``cluster_l2``: the partials exchanged through the float32 workspace
     in global memory instead (the fused kernel's arguments)."""
     from ..common.decode_host import compile_decode_kernel

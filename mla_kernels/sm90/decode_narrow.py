@@ -24,10 +24,10 @@ One CTA per (decode token, split); 384 threads:
   mode), lse and optionally max_logits.
 * ``cluster`` (split mode): a token's split CTAs run as one thread-block cluster; each stages its
   normalised partial (float32 in place, or rounded to bf16) and its lse / max logit per head in
-  its own smem, and after a cluster barrier merges ``h_q / cluster`` heads (with more CTAs than
-  heads: a share of one head's columns) from every peer over
-  DSMEM (``common/cluster_merge.py``, shared with the 64-head kernel): one launch, no combine
-  kernel, the bf16 output written like direct mode.
+  its own smem, and after a cluster barrier merges its slice of the heads from every peer over
+  DSMEM (``ceil(h_q / cluster)`` heads, fewer in the last CTAs; with more CTAs than heads a share
+  of one head's columns: ``common/cluster_merge.py``, shared with the 64-head kernel): one
+  launch, no combine kernel, the bf16 output written like direct mode.
 
 Softmax in base 2 with ``sm_scale * log2(e)`` folded (as in the forward); lse in natural log.
 """
@@ -82,7 +82,8 @@ class SparseMlaDecodeNarrowSm90(dd.DecodeContract):
         # split mode, not fused: bf16 partial outputs (the combine reads half the bytes)
         self.parts_bf16 = parts_bf16 and split and not self.fused
         # split mode: the token's splits run as one cluster of ``cluster`` CTAs and merge over DSMEM
-        # (each CTA merges h_q / cluster heads); the kernel then writes the bf16 output like direct
+        # (each CTA merges a slice of the heads, cluster_merge.slice_shape); the kernel then writes
+        # the bf16 output like direct
         # mode.  ``cluster_bf16``: the staged partials rounded to bf16 (half the DSMEM bytes)
         if cluster and (not split or self.fused or self.parts_bf16 or cluster not in cm.MERGE_SIZES):
             raise ValueError(f"narrow cluster merge needs split mode, float32 parts and a size of 2..16 "
