@@ -971,8 +971,8 @@ def _planned_call_ok(plan, q, kv_cache, indices, sm_scale, d_v, topk_length, att
                 and not kv_cache.requires_grad and kv_cache.data_ptr() % 16 == 0
                 and kv_cache.shape[-1] == f.d_qk and kv_cache.numel() < f.max_kv_numel):
             return False
-        kd = kv_cache.dim()
-        if not (kd == 2 or (kd == 4 and kv_cache.shape[2] == 1)):
+        kd = kv_cache.dim()  # [pages, page_size, 1, d], or flat: [n, d] / [n, 1, d] (the forward's kv shape)
+        if not (kd == 2 or (kd == 4 and kv_cache.shape[2] == 1) or (kd == 3 and kv_cache.shape[1] == 1)):
             return False
         if topk_length is not None and not (
                 topk_length.dtype == torch.int32 and topk_length.shape in f.tl_shapes
@@ -1013,8 +1013,8 @@ def sparse_mla_decode(
     Args:
         q: ``[b, s_q, h_q, d_qk]`` -- ``b`` requests of ``s_q`` query tokens (1; 2..4 with MTP),
             ``h_q`` in {8, 16, 24, 32} or a multiple of 64.
-        kv_cache: ``[num_pages, page_size, 1, d_qk]`` (any page size), or a flat ``[n, d_qk]``
-            (one page); contiguous, q's dtype.  ``V = kv[..., :d_v]``.
+        kv_cache: ``[num_pages, page_size, 1, d_qk]`` (any page size), or a flat ``[n, d_qk]`` /
+            ``[n, 1, d_qk]`` (one page); contiguous, q's dtype.  ``V = kv[..., :d_v]``.
         indices: ``[b, s_q, topk]`` int32: physical ids ``page * page_size + offset`` into the
             flattened cache (FlashMLA's sparse decode convention), or with ``block_table``
             logical positions of request ``b``'s sequence.  Invalid entries (-1, out of range,

@@ -811,3 +811,71 @@ def test_sm100_and_cpu_serve_decode_by_reference(monkeypatch):
     with pytest.warns(RuntimeWarning, match="decode"):
         assert dispatch.select("decode", plan).name == "reference"
     assert dispatch.serving_kernel("decode", plan) is None
+
+
+@pytest.mark.parametrize("h", [16, 128])
+def test_planned_call_takes_every_flat_cache_shape_without_the_full_check(emulated_sm90, h, monkeypatch):
+    """A planned call with a flat cache -- ``[n, d_qk]``, ``[n, 1, d_qk]`` (the forward's kv shape)
+    or one page ``[1, n, 1, d_qk]`` -- passes the per-call fast check (the full check,
+    ``api._decode_inputs``, is ~20 us of host time more per call) and gives the same result for
+    all three shapes, equal to the reference's."""
+    from mla_kernels import api
+
+    b, s_q, d, topk = 2, 1, 576, 130
+    plan = emulated_sm90(b, s_q, h, topk, d, 1)
+    q, kv, idx, _ = paged_case(b, s_q, h, d, topk, seed=5, dtype=torch.bfloat16, num_pages=1, page_size=300,
+                               with_bt=False)
+    flat = kv.view(-1, d)
+
+    def no_full_check(*a, **k):
+        raise AssertionError("the planned call took the full check")
+
+    full_check = api._decode_inputs
+    monkeypatch.setattr(api, "_decode_inputs", no_full_check)
+    got = []
+    for cache in (flat, flat.view(-1, 1, d), kv):
+        out, lse = mk.sparse_mla_decode(q, cache, idx, 0.05, 512, plan=plan)
+        got.append((out.clone(), lse.clone()))
+    for out, lse in got[1:]:
+        assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1])
+    w_o, w_l = ref.sparse_mla_decode_ref(q.float(), flat.float(), idx, 0.05, 512)
+    torch.testing.assert_close(got[0][0].float(), w_o, rtol=1e-2, atol=2e-3)
+    fin = w_l.isfinite()
+    assert torch.equal(fin, got[0][1].isfinite())
+    torch.testing.assert_close(got[0][1][fin], w_l[fin], rtol=1e-5, atol=1e-5)
+    # a cache shape the kernels do not take still gets the full check's error
+    monkeypatch.setattr(api, "_decode_inputs", full_check)
+    with pytest.raises(ValueError, match="kv_cache must have shape"):
+        mk.sparse_mla_decode(q, flat.view(-1, 2, d // 2), idx, 0.05, 512, plan=plan)
+
+
+def test_pair_cluster_rule(monkeypatch):
+    """MLA_KERNELS_DECODE_PAIR ('1' default, '0'): direct-mode plans (one split, no merge cluster)
+    of h_q a multiple of 128 launch each token's two 64-head CTAs as a 2-CTA cluster; split plans,
+    merge clusters, h_q 64 / 192 and the knob at 0 do not; anything else is a clear error, and so is
+    compiling the option where it does not apply."""
+    monkeypatch.delenv(decode_host.ENV_PAIR, raising=False)
+    assert decode_host.decode_pair_mode() is True
+
+    def plan(h):
+        return DecodePlan(128, 2, h, 2048, 576, 512, torch.device("cpu"), torch.bfloat16, 1, 32)
+
+    rule = decode_host.pair_for
+    assert rule(plan(128), False, 0, True) and rule(plan(256), False, 0, True)
+    assert not rule(plan(128), True, 0, True)  # split
+    assert not rule(plan(128), True, 8, True)  # merge cluster
+    assert not rule(plan(64), False, 0, True) and not rule(plan(192), False, 0, True)
+    assert not rule(plan(128), False, 0, False)
+    monkeypatch.setenv(decode_host.ENV_PAIR, "0")
+    assert decode_host.decode_pair_mode() is False
+    monkeypatch.setenv(decode_host.ENV_PAIR, "yes")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_PAIR='yes': expected one of 1, 0"):
+        decode_host.decode_pair_mode()
+
+    class Kernel:
+        pair_cluster = False
+        cluster = 0
+
+    for split, h in ((True, 128), (False, 64)):
+        with pytest.raises(ValueError, match="pair_cluster: direct mode"):
+            decode_host.compile_decode_kernel(Kernel(), 576, h, split, "sm_90a", pair_cluster=True)

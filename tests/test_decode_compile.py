@@ -14,7 +14,8 @@ NAMES = {"sm90_decode_d576_h128_split", "sm90_decode_d576_h64_direct", "sm90_dec
          "sm90_decode_narrow_d576_h8_fused", "sm90_decode_d576_h128_cluster16",
          "sm90_decode_d576_h128_cluster16_l2", "sm90_decode_d576_h128_cluster16_rows32",
          "sm90_decode_narrow_d576_h16_cluster16", "sm90_decode_narrow_d512_h32_cluster8_f32",
-         "sm90_decode_narrow_d576_h8_cluster16", "sm90_decode_d576_h64_cluster6"}
+         "sm90_decode_narrow_d576_h8_cluster16", "sm90_decode_d576_h64_cluster6", "sm90_decode_d576_h128_direct",
+         "sm90_decode_d576_h128_direct_pair"}
 
 
 def q_chunks(h: int, d_qk: int = 576) -> int:
@@ -104,6 +105,24 @@ def test_decode_alternating_ring(report):
     assert cr.bar_sync_repeats(fixed["barriers"]) == {}
     rep = cr.bar_sync_repeats(alt["barriers"])
     assert set(rep) == {BAR_S0_READY, BAR_S1_READY} and all(len(a) == 2 for a in rep.values())
+
+
+def test_decode_pair_cluster_changes_only_the_launch(report):
+    """Direct mode's pair cluster (MLA_KERNELS_DECODE_PAIR, h_q a multiple of 128): the kernel is the
+    plain launch's -- the same instructions, registers and shared memory -- only launched as 2-CTA
+    clusters."""
+    plain, pair = report["sm90_decode_d576_h128_direct"], report["sm90_decode_d576_h128_direct_pair"]
+    sp, _ = _common(plain)
+    sq, _ = _common(pair)
+    assert sp == sq and plain["registers"] == pair["registers"] and plain["smem_bytes"] == pair["smem_bytes"]
+    if "sass_text" in plain and "sass_text" in pair:
+        import re
+
+        def body(t):  # the instructions without their addresses
+            return [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", ln) for ln in t.splitlines()
+                    if re.match(r"^\s*/\*[0-9a-f]+\*/", ln)]
+
+        assert body(plain["sass_text"]) == body(pair["sass_text"])
 
 
 @pytest.mark.parametrize("name,h", [("sm90_decode_narrow_d576_h16_direct", 16)])

@@ -33,7 +33,7 @@ def test_groups_cover_every_dispatchable_option():
                    "decode_auto_cluster8_h128", "decode_cluster4_h128_rows32", "decode_cluster16_h64_rows32",
                    "decode_narrow_cluster16_h16", "decode_narrow_cluster4_h32_f32",
                    "decode_narrow_cluster16_h8", "decode_cluster6_h64",
-                   "decode_narrow_cluster6_h16", "merge"}
+                   "decode_narrow_cluster6_h16", "decode_direct_h128_pair", "merge"}
     # attn_sum scaled (with a sink) and unscaled, deterministic with and without attn_sum
     assert any(g.sink and ("bwd_asum" in g.ops or "bwd_det_asum" in g.ops) for g in gs)
     assert any(not g.sink and ("bwd_asum" in g.ops or "bwd_det_asum" in g.ops) for g in gs)

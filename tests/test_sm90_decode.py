@@ -469,6 +469,23 @@ def test_decode_o_bulk_is_bitwise_regs(h, b, s_q, d, block_table, splits, parts,
         mk.decode_plan(b, s_q, h, 640, d_qk=d, device="cuda")
 
 
+@pytest.mark.parametrize("h,b,s_q,d", [(128, 67, 2, 576), (256, 21, 1, 512)])
+def test_decode_pair_cluster_is_bitwise(h, b, s_q, d, monkeypatch):
+    """Direct mode's token pairs of 64-head CTAs launched as 2-CTA clusters
+    (MLA_KERNELS_DECODE_PAIR=1, the default for h_q a multiple of 128) give bit for bit the outputs
+    of the plain launch (topk_length, sink, bias, max_logits, invalid / duplicate slots, an empty
+    row; poisoned outputs), and both match the reference."""
+    monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    c = dcase(b, s_q, h, 640, d=d, block_table=True, tl="bs", sink=True, bias=True, seed=h + b)
+
+    def make_plan(mode):
+        plan = mk.decode_plan(b, s_q, h, 640, d_qk=d, device="cuda", with_max_logits=True)
+        assert plan.num_splits == 1 and plan.state["pair"] is (mode == "1")
+        return plan
+
+    bitwise_across_knob(monkeypatch, c, "MLA_KERNELS_DECODE_PAIR", ("0", "1"), make_plan)
+
+
 @pytest.mark.parametrize("h", [32, 128])
 def test_decode_page_size_1_physical_ids(h, monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
@@ -478,11 +495,19 @@ def test_decode_page_size_1_physical_ids(h, monkeypatch):
 
 
 def test_decode_flat_cache_and_block_table_page_64(monkeypatch):
+    """A flat cache, ``[n, d_qk]`` or ``[n, 1, d_qk]`` (the forward's kv shape; a planned call
+    takes both on the fast path), gives what the paged cache of the same rows gives."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
     c = dcase(2, 1, 64, 512, block_table=False, seed=4)
     flat = dict(c, kv_cache=c["kv_cache"].reshape(-1, 576))
     out, lse, sc = run(flat)
     check(out, lse, want_of(c, sc), c)
+    plan = mk.decode_plan(2, 1, 64, 512, device="cuda")
+    got = [tuple(t.clone() for t in run(dict(c, kv_cache=kv), plan=plan)[:2])
+           for kv in (flat["kv_cache"], flat["kv_cache"].view(-1, 1, 576), c["kv_cache"])]
+    for o, l in got:
+        assert torch.equal(o, got[0][0]) and torch.equal(l, got[0][1])
+    check(got[0][0], got[0][1], want_of(c, sc), c)
 
 
 @pytest.mark.parametrize("h,num_splits,combine", [(16, 32, "separate"), (128, 32, "separate"), (64, 3, "separate"),

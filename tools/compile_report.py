@@ -93,6 +93,9 @@ def kernels_for(arch):
             ("sm90_decode_d576_h128_split", lambda a, **kw: compile_decode(576, 128, True, a, **kw)),
             ("sm90_decode_d576_h64_direct", lambda a, **kw: compile_decode(576, 64, False, a, **kw)),
             ("sm90_decode_d512_h128_direct", lambda a, **kw: compile_decode(512, 128, False, a, **kw)),
+            ("sm90_decode_d576_h128_direct", lambda a, **kw: compile_decode(576, 128, False, a, **kw)),
+            ("sm90_decode_d576_h128_direct_pair",  # a token's two head-block CTAs as one 2-CTA cluster
+             lambda a, **kw: compile_decode(576, 128, False, a, pair_cluster=True, **kw)),
             ("sm90_decode_d576_h128_direct_oregs",
              lambda a, **kw: compile_decode(576, 128, False, a, o_bulk=False, **kw)),
             ("sm90_decode_d576_h64_direct_fixed",

@@ -14,6 +14,12 @@ design, only the timing means something):
 * ``nostore``  -- the epilogue's O stores dropped (64-head kernel and narrow kernel)
 * ``empty``    -- every split processes no block (launch, Q load, epilogue, combine only)
 * ``nosoftmax``-- the 64-head kernel's online softmax skipped (masks and PV kept)
+* ``halfrows`` -- the KV gather copies only rows 0..31 of each 64-row block (no copy issued for the
+                 rest): the bound of a 2-CTA gather that shares each block (each CTA issues half)
+* ``halfbytes``-- the same rows read nothing (zero-fill copies still issued): half the bytes alone
+* ``rot2`` / ``rot6`` -- (64-head kernel, 32 full blocks only: topk 2048, one split) the second
+                 64-head CTA of a token takes its blocks rotated by -2 / -6, so that after its first
+                 2 / 6 blocks it trails its partner CTA by that many and finds their rows in L2
 * ``noq``      -- no Q load (both kernels; the MMAs read whatever the smem holds)
 * ``nopre``    -- the combine without its part prefetch (``PREFETCH = 0``: three L2 round trips)
 * ``nomerge``  -- the cluster merge (``cluster_merge.merge_slice``) dropped; its two cluster barriers kept
@@ -79,6 +85,16 @@ EDITS = {
                     ("                v = dev.ld_cluster_v4_f32(base + k * tph * 16)", "                v = [w] * 4", 1)]},
     "nogstore": {CM: [("            dev.st_global_v4_b32(a, dev.pack", "            (lambda *a: None)(a, dev.pack", 1),
                       ("            dev.st_global_v2_b32(a, dev.pack", "            (lambda *a: None)(a, dev.pack", 1)]},
+    "halfrows": {DP: [("            for j in range(self.rows_per_thread):\n                cp_async_16_zfill_pf(",
+                       "            for j in range(self.rows_per_thread // 2):\n                cp_async_16_zfill_pf(", 1)]},
+    "halfbytes": {DP: [("                    self.ok[slot_b, j],\n                    self.policy,",
+                        "                    self.ok[slot_b, j] & Boolean(j < self.rows_per_thread // 2),\n                    self.policy,", 1)]},
+    "rot2": {DD: [("    gather.load_indices(blk, 0)\n    gather.load_indices(blk + 1, 1)",
+                    "    blk = (blk + gather.rot) % 32\n    gather.load_indices(blk, 0)\n    gather.load_indices(blk + 1, 1)", 1)],
+              DEC: [("            dd.paired_producer_loop(gather,", "            gather.rot = (h_blk % 2) * 30\n            dd.paired_producer_loop(gather,", 1)]},
+    "rot6": {DD: [("    gather.load_indices(blk, 0)\n    gather.load_indices(blk + 1, 1)",
+                    "    blk = (blk + gather.rot) % 32\n    gather.load_indices(blk, 0)\n    gather.load_indices(blk + 1, 1)", 1)],
+              DEC: [("            dd.paired_producer_loop(gather,", "            gather.rot = (h_blk % 2) * 26\n            dd.paired_producer_loop(gather,", 1)]},
     "nosoftmax": {DD: [("        dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, rM[0], rM[1])\n", "", 1),
                        ("        dev.online_softmax(acc_s, acc_o, rM, rL, scale_log2, sM0[row0], sM0[row1])\n",
                         "", 1)]},

@@ -95,7 +95,8 @@ GROUPS = (
                                              "decode_auto_cluster8_h128", "decode_cluster4_h128_rows32",
                                              "decode_cluster16_h64_rows32", "decode_narrow_cluster16_h16",
                                              "decode_narrow_cluster4_h32_f32", "decode_narrow_cluster16_h8",
-                                             "decode_cluster6_h64", "decode_narrow_cluster6_h16", "merge")),
+                                             "decode_cluster6_h64", "decode_narrow_cluster6_h16",
+                                             "decode_direct_h128_pair", "merge")),
 )
 GROUP_BY_NAME = {g.name: g for g in GROUPS}
 #: ``--ops``: the comma-separated ops each group keeps (the sanitized processes read it from here)
@@ -347,6 +348,7 @@ def _decode_steps(g: Group, step, dev) -> None:
                                      ("decode_narrow_split_h16", 16, 576, 2, {}),
                                      ("decode_narrow_direct_h32_d512", 32, 512, 1, {}),
                                      ("decode_direct_h128_d512", 128, 512, 1, {}),
+                                     ("decode_direct_h128_pair", 128, 576, 1, {"MLA_KERNELS_DECODE_PAIR": "1"}),
                                      ("decode_direct_h64_oregs", 64, 576, 1, {"MLA_KERNELS_DECODE_O": "regs"}),
                                      ("decode_split_h128_d512", 128, 512, 3, {}),
                                      # the KV ring off its mode's default (MLA_KERNELS_DECODE_RING: alt

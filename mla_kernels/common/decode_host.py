@@ -85,20 +85,24 @@ def decode_fake_args(d_qk: int, h_q: int, split: bool, fused: bool = False, part
 
 def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, fused: bool = False,
                           pagediv: Optional[str] = None, o_bulk: Optional[bool] = None,
-                          ring_alt: Optional[bool] = None, rows: Optional[int] = None, **kw):
+                          ring_alt: Optional[bool] = None, rows: Optional[int] = None,
+                          pair_cluster: Optional[bool] = None, **kw):
     """Compile ``kernel`` over the decode contract's fake tensors; ``pagediv`` (``"generic"`` /
     ``"magic"``, default: the kernel's own, ``"generic"``): how its paged gather divides a position
     by the page size (:func:`page_div_mode`); ``o_bulk``: direct mode's O by bulk copies (default:
     the kernel's own); ``ring_alt``: the alternating KV ring (default: :func:`ring_for`'s rule for
     the kernel's mode); ``rows``: heads per CTA of the 64-head kernel in a DSMEM cluster merge
-    (64, or 32: :func:`cluster_rows`).  An option the kernel does not have is a ValueError."""
+    (64, or 32: :func:`cluster_rows`); ``pair_cluster``: direct mode's token pairs of 64-head CTAs
+    launched as 2-CTA clusters (:func:`decode_pair_mode`).  An option the kernel does not have is a
+    ValueError."""
     from .. import _compile
 
     if pagediv is not None and pagediv not in PAGEDIV_MODES:
         raise ValueError(f"pagediv={pagediv!r}: expected one of {', '.join(PAGEDIV_MODES)}")
     if ring_alt is None and hasattr(kernel, "ring_alt"):
         ring_alt = ring_for(DEFAULT_RING, kernel.split) == "alt"
-    for name, value in (("pagediv", pagediv), ("o_bulk", o_bulk), ("ring_alt", ring_alt), ("rows", rows)):
+    for name, value in (("pagediv", pagediv), ("o_bulk", o_bulk), ("ring_alt", ring_alt), ("rows", rows),
+                        ("pair_cluster", pair_cluster)):
         if value is None:  # the kernel's own default
             continue
         if not hasattr(kernel, name):
@@ -106,6 +110,9 @@ def compile_decode_kernel(kernel, d_qk: int, h_q: int, split: bool, arch: str, f
         setattr(kernel, name, value if name in ("pagediv", "rows") else bool(value))
     if rows is not None and (rows not in (32, 64) or (rows == 32 and not getattr(kernel, "cluster_dsmem", False))):
         raise ValueError(f"rows={rows}: 64, or 32 with a DSMEM cluster merge")
+    if pair_cluster and (split or getattr(kernel, "cluster", 0) or h_q % 128):
+        raise ValueError(f"pair_cluster: direct mode (no split, no merge cluster) and h_q a multiple of 128, "
+                         f"got split={split}, h_q={h_q}")
     parts_bf16 = split and getattr(kernel, "parts_bf16", False)
     return kernel, _compile.compile_kernel(kernel, *decode_fake_args(d_qk, h_q, split, fused, parts_bf16), arch=arch,
                                            **kw)
@@ -458,6 +465,28 @@ def ring_for(mode: str, split: bool) -> str:
     return mode
 
 
+ENV_PAIR = "MLA_KERNELS_DECODE_PAIR"
+PAIR_MODES = ("1", "0")
+DEFAULT_PAIR = "1"
+
+
+def decode_pair_mode() -> bool:
+    """Whether a direct-mode plan (one split) of a head count that is a multiple of 128 launches
+    each token's two 64-head CTAs as one 2-CTA cluster, read when a plan is made:
+    ``MLA_KERNELS_DECODE_PAIR`` = ``1`` (default) or ``0``.  The pair gathers the same KV rows; in
+    a cluster its CTAs start together, so the second CTA's L2 misses merge into the first's
+    (H200: 0.979x / 0.987x the step time at b 64 / 128, s_q 2, h_q 128; making the second CTA trail
+    its partner by 2 or 6 blocks instead cost 1.035-1.069x, docs/PERF.md).  Bit for bit the same
+    outputs."""
+    return fastpath.knob_choice(ENV_PAIR, PAIR_MODES, DEFAULT_PAIR) == "1"
+
+
+def pair_for(plan, split: bool, cluster: int, on: bool) -> bool:
+    """Whether ``plan``'s 64-head kernel gets the pair cluster: direct mode (no split, no merge
+    cluster), ``h_q`` a multiple of 128, and the knob on (:func:`decode_pair_mode`)."""
+    return on and not split and not cluster and plan.h_q % 128 == 0
+
+
 #: the largest divisor / dividend :func:`page_divisor`'s constants serve (the kernels' int32 range)
 PAGEDIV_MAX = 2**31 - 1
 
@@ -590,6 +619,11 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
         plan.state["ring"] = ring
         kw["ring_alt"] = ring == "alt"
         pd_key = pd_key + (ring,)
+    pair = plan.h_q not in NARROW_HEADS and pair_for(plan, split, cluster, decode_pair_mode())
+    plan.state["pair"] = pair
+    if pair:
+        kw["pair_cluster"] = True
+        pd_key = pd_key + ("pair",)
     if plan.h_q in NARROW_HEADS:
         kern = _compile.cached_compile(
             ("SparseMlaDecodeNarrowSm90", plan.d_qk, plan.h_q, split, pf, fused, ef, parts, arch) + pd_key,

@@ -111,6 +111,13 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         # each CTA pulls over DSMEM (b 1 runs twice the CTAs); set by
         # decode_host.compile_decode_kernel (MLA_KERNELS_DECODE_CLUSTER_ROWS)
         self.rows = B_H
+        # direct mode, h_q a multiple of 128: a token's two head-block CTAs (consecutive blocks,
+        # the same KV rows) launched as one 2-CTA cluster, so that they start together and gather
+        # their rows at the same time -- the second CTA's L2 misses merge into the first's (H200:
+        # 0.98-0.99x the step time at b 64 / 128, s_q 2, h_q 128, outputs bitwise the same;
+        # docs/PERF.md); nothing else changes.  Set by decode_host.compile_decode_kernel
+        # (MLA_KERNELS_DECODE_PAIR)
+        self.pair_cluster = False
         self.n_k_tiles = d_qk // 64
         self.n_left = (d_v // 2) // 64
         self.s0_in_rope = d_qk == 576
@@ -193,6 +200,11 @@ class SparseMlaDecodeSm90(dd.DecodeContract):
         if const_expr(self.cluster):
             # one cluster per row: its split CTAs are consecutive blocks (n_splits == self.cluster)
             launch.launch(grid=[n_tok * n_hblk * n_splits, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
+                          smem=self.smem_bytes, stream=stream, min_blocks_per_mp=1)
+        elif const_expr(self.pair_cluster):
+            # a token's two head blocks are consecutive CTAs (direct mode: bidx = token * n_hblk + h_blk)
+            assert not self.split and n_hblk % 2 == 0, "pair_cluster: direct mode, h_q a multiple of 128"
+            launch.launch(grid=[n_tok * n_hblk * n_splits, 1, 1], block=[THREADS, 1, 1], cluster=[2, 1, 1],
                           smem=self.smem_bytes, stream=stream, min_blocks_per_mp=1)
         else:
             launch.launch(grid=[n_tok * n_hblk * n_splits, 1, 1], block=[THREADS, 1, 1], smem=self.smem_bytes,
