@@ -659,23 +659,47 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
         st["lse1"] = plan.lse.view(T * h)
         if plan.with_max_logits:
             st["ml_out2"] = plan.max_logits.view(T, h)
+    # the arguments that are the same tensors on every call, converted once (ffi_constants)
+    st["c"] = ffi_constants(kern, {
+        "bias0": st["bias0"], "bt0": st["bt0"], "tl0": st["tl0"], "sink0": st["sink0"], "ml0": st["ml0"],
+        "cnt0": st.get("cnt0"), "counters": plan.counters, "out": plan.out, "lse": plan.lse,
+        "ml": plan.max_logits, "out_parts": plan.out_parts, "lse_parts": plan.lse_parts,
+        "ml_parts": plan.max_logits_parts, "parts3": st.get("parts3"), "lse_parts2": st.get("lse_parts2"),
+        "out2": st.get("out2"), "lse1": st.get("lse1"),
+    })
+
+
+def ffi_constants(kern, tensors: dict) -> dict:
+    """``tensors`` (name -> tensor or None) as the compiled kernels take them fastest: a TVM-FFI
+    kernel converts each torch tensor argument to a DLPack tensor on every call (~0.1-0.3 us each,
+    by host), so the arguments a plan passes unchanged on every call -- its buffers and
+    placeholders -- are converted once here (``tvm_ffi.from_dlpack``: a view of the same memory;
+    an H100 host: 9.0 -> 7.8 us per launch at b 1 h_q 128, docs/PERF.md).  Other kernels (the
+    CPU tests' emulated ones) get the tensors themselves."""
+    mod = type(kern).__module__ or ""
+    if not (mod.startswith("tvm_ffi") or mod.startswith("cutlass")):
+        return dict(tensors)
+    import tvm_ffi
+
+    return {k: (None if t is None else tvm_ffi.from_dlpack(t)) for k, t in tensors.items()}
 
 
 def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias):
     """One decode step into ``plan``'s buffers (inputs already checked by the API)."""
     st = plan.state
+    c = st["c"]  # the plan's own arguments, converted once (ffi_constants)
     flags = 0
     if q_bias is None:
-        q_bias = st["bias0"]
+        q_bias = c["bias0"]
     else:
         flags |= F_BIAS
     if block_table is None:
-        block_table = st["bt0"]
+        block_table = c["bt0"]
     else:
         flags |= F_BLOCK_TABLE
     tl_b = tl_s = 0
     if topk_length is None:
-        topk_length = st["tl0"]
+        topk_length = c["tl0"]
     else:
         flags |= F_TOPK_LENGTH
         if topk_length.dim() == 2:
@@ -696,29 +720,29 @@ def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, blo
     # the kernels that write the final output apply the sink themselves (F_SINK); the combine path
     # gives its split kernel the placeholder and the sink to the combine
     has_sink = attn_sink is not None
-    sink = attn_sink if has_sink else st["sink0"]
+    sink = attn_sink if has_sink else c["sink0"]
     if st["fused"] or st["cluster_l2"]:
         # one launch, float32 parts through L2: the last CTA of a row merges it (fused), or each
         # cluster CTA merges a slice of the row's heads (cluster_l2: no counters needed)
-        ml, ml_f = (plan.max_logits_parts, plan.max_logits) if plan.with_max_logits else (st["ml0"], st["ml0"])
+        ml, ml_f = (c["ml_parts"], c["ml"]) if plan.with_max_logits else (c["ml0"], c["ml0"])
         flags |= F_SINK if has_sink else 0
-        counters = plan.counters if st["fused"] else st["cnt0"]
-        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, plan.out_parts,
-                     plan.lse_parts, ml, plan.out, plan.lse, ml_f, counters, scale_log2, flags, page_size, page_mul,
+        counters = c["counters"] if st["fused"] else c["cnt0"]
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, c["out_parts"],
+                     c["lse_parts"], ml, c["out"], c["lse"], ml_f, counters, scale_log2, flags, page_size, page_mul,
                      page_shift, tl_b, tl_s, plan.num_splits, plan.blocks_per_split)
     elif st["cluster"] or plan.num_splits <= 1:
         # direct layout, bf16 output: one split, or the row's cluster merging over DSMEM (one launch)
-        ml = plan.max_logits if plan.with_max_logits else st["ml0"]
+        ml = c["ml"] if plan.with_max_logits else c["ml0"]
         flags |= F_SINK if has_sink else 0
-        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, plan.out, plan.lse, ml,
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, sink, c["out"], c["lse"], ml,
                      scale_log2, flags, page_size, page_mul, page_shift, tl_b, tl_s,
                      plan.num_splits if st["cluster"] else 1, plan.blocks_per_split)
     else:
-        ml = plan.max_logits_parts if plan.with_max_logits else st["ml0"]
-        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, st["sink0"], plan.out_parts,
-                     plan.lse_parts, ml, scale_log2, flags, page_size, page_mul, page_shift, tl_b, tl_s,
+        ml = c["ml_parts"] if plan.with_max_logits else c["ml0"]
+        st["kernel"](q, q_bias, kv_cache, indices, block_table, topk_length, c["sink0"], c["out_parts"],
+                     c["lse_parts"], ml, scale_log2, flags, page_size, page_mul, page_shift, tl_b, tl_s,
                      plan.num_splits, plan.blocks_per_split)
-        st["combine"](st["parts3"], st["lse_parts2"], sink, st["out2"], st["lse1"],
+        st["combine"](c["parts3"], c["lse_parts2"], sink, c["out2"], c["lse1"],
                       plan.h_q, 1 if has_sink else 0)
         if plan.with_max_logits:
             torch.amax(plan.max_logits_parts, dim=0, out=st["ml_out2"])
