@@ -53,7 +53,7 @@ NAR = "mla_kernels/sm90/decode_narrow.py"
 CM = "mla_kernels/common/cluster_merge.py"
 
 EDITS = {
-    "nocomb": {DH: [('        st["combine"](st["parts3"]', '        0 and st["combine"](st["parts3"]', 1)]},
+    "nocomb": {DH: [('        st["combine"](c["parts3"]', '        0 and st["combine"](c["parts3"]', 1)]},
     "nogather": {DP: [("                    self.ok[slot_b, j],\n                    self.policy,",
                        "                    Boolean(False),\n                    self.policy,", 1)]},
     "noload": {
