@@ -879,3 +879,45 @@ def test_pair_cluster_rule(monkeypatch):
     for split, h in ((True, 128), (False, 64)):
         with pytest.raises(ValueError, match="pair_cluster: direct mode"):
             decode_host.compile_decode_kernel(Kernel(), 576, h, split, "sm_90a", pair_cluster=True)
+
+
+@pytest.mark.parametrize("h,with_ml", [(128, False), (64, True)])
+def test_graph_plan_runs_the_own_splits_with_the_combine_kernel(emulated_sm90, h, with_ml, monkeypatch):
+    """MLA_KERNELS_DECODE_GRAPH (``separate`` default, ``same``): a plan whose eager calls merge in a
+    cluster of 8+ CTAs gets a graph plan -- its own split count (before the cluster rule lowered it),
+    the combine kernel, the same out / lse / max_logits buffers -- and a call captured in a CUDA
+    graph runs it (here: the capture state monkeypatched, emulated kernels).  Both paths match the
+    reference; an eager call does not touch the graph plan; the knob's errors are clear."""
+    b, s_q, topk = 2, 2, 2048
+    monkeypatch.delenv(decode_host.ENV_GRAPH, raising=False)
+    assert decode_host.graph_mode() == "separate"
+    plan = emulated_sm90(b, s_q, h, topk, 576, 16, with_max_logits=with_ml)  # 16 splits: 1 block pair each
+    monkeypatch.setattr(decode_host, "cluster_capacity", lambda *a: 100)
+    plan.num_splits, plan.blocks_per_split = 8, 4  # as if the cluster rule had lowered it to 8
+    plan.state.clear()
+    decode_host.prepare_decode(plan, *emulated_compilers(emulated_sm90.calls), mode="cluster")
+    assert plan.state["cluster"] == 8 and plan.state["graph_plan"] is None  # a CPU plan: no graph plan
+    g = decode_host.graph_plan(plan, (16, 2), *emulated_compilers(emulated_sm90.calls))
+    assert g.num_splits == 16 and g.blocks_per_split == 2 and not g.state["cluster"] and "combine" in g.state
+    assert g.out is plan.out and g.lse is plan.lse and g.max_logits is plan.max_logits
+    assert g.out_parts.shape[0] == 16 and g.state["graph_plan"] is None
+    plan.state["graph_plan"] = g
+    q, kv, idx, bt = paged_case(b, s_q, h, 576, topk, seed=3, dtype=torch.bfloat16, num_pages=300, page_size=64,
+                                max_pages=280)
+    w_o, w_l = ref.sparse_mla_decode_ref(q.float(), kv.float(), idx, 0.05, 512, None, None, bt)
+    fin = w_l.isfinite()
+    log = emulated_sm90.calls.log
+    for capturing in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        n0 = len(log)
+        res = mk.sparse_mla_decode(q, kv, idx, 0.05, 512, block_table=bt, plan=plan)
+        assert res[0] is plan.out and res[1] is plan.lse and (not with_ml or res[2] is plan.max_logits)
+        tags = [e for e in log[n0:] if e[0] == "decode"]
+        assert len(tags) == 1 and tags[0][5] == (16 if capturing else 8)
+        assert ("cluster8" in tags[0]) == (not capturing)
+        torch.testing.assert_close(res[0].float(), w_o, rtol=1e-2, atol=3e-3)
+        assert torch.equal(fin, res[1].isfinite())
+        torch.testing.assert_close(res[1][fin], w_l[fin], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(decode_host.ENV_GRAPH, "always")
+    with pytest.raises(ValueError, match="MLA_KERNELS_DECODE_GRAPH='always': expected one of separate, same"):
+        decode_host.graph_mode()

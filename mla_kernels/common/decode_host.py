@@ -561,15 +561,43 @@ def decode_knobs():
     return pdl == "1", int(pf)
 
 
-def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
+ENV_GRAPH = "MLA_KERNELS_DECODE_GRAPH"
+GRAPH_MODES = ("separate", "same")
+DEFAULT_GRAPH = "separate"
+#: the smallest merge cluster whose plans run the combine kernel instead when captured in a CUDA
+#: graph (``MLA_KERNELS_DECODE_GRAPH=separate``).  H200, graph replays back to back
+#: (docs/PERF.md): the plans' own 16 splits with the combine kernel took 0.90x (b 1 h_q 128,
+#: clusters of 16), 0.84x (b 2 s_q 2 h_q 128, 8), 0.83x (b 4 h_q 128, 8), 0.91x (b 1 h_q 64, 16)
+#: the cluster step's time; the mid batches' clusters of 3..6 measured 0.81-0.93x the combine
+#: kernel's time (seventeenth / eighteenth rounds), so they keep the cluster
+GRAPH_SEPARATE_MIN_CLUSTER = 8
+
+
+def graph_mode() -> str:
+    """How a plan whose eager calls merge in a DSMEM cluster of at least
+    :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs (the 64-head kernel's small batches) runs when its call is
+    captured in a CUDA graph, read when a plan is made: ``MLA_KERNELS_DECODE_GRAPH`` = ``separate``
+    (default: the plan's own split count and the combine kernel -- two launches, which cost host
+    time only when a call is not replayed from a graph, and less GPU time: the cluster launches of
+    8-16 CTAs wait for whole GPCs) or ``same`` (the eager path).  The two paths' outputs agree to
+    within bf16 rounding (the merge's partials are float32 in one, bf16 in the other)."""
+    return fastpath.knob_choice(ENV_GRAPH, GRAPH_MODES, DEFAULT_GRAPH)
+
+
+def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Optional[str] = None) -> None:
     """Compile the plan's kernels (through the compile cache) and make every placeholder and
-    view a call needs, so that a call allocates nothing (and can be captured in a CUDA graph)."""
+    view a call needs, so that a call allocates nothing (and can be captured in a CUDA graph).
+    ``mode``: the combine mode (default: :func:`combine_mode`).  A CUDA plan whose merge cluster
+    has at least :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs also gets, by :func:`graph_mode`, a second
+    plan for captured calls (``state["graph_plan"]``: its own split count, the combine kernel,
+    the same ``out`` / ``lse`` / ``max_logits`` buffers)."""
     from .. import _compile
 
     arch = _compile.arch_for_device(plan.device)
     split = plan.num_splits > 1
+    own_splits = (plan.num_splits, plan.blocks_per_split)
     pdl, pf = decode_knobs()
-    mode = combine_mode()
+    mode = combine_mode() if mode is None else mode
     fused = split and mode == "fused"
     plan.state["fused"] = fused
     max_cluster, staging = cluster_knobs()
@@ -659,6 +687,10 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
         st["lse1"] = plan.lse.view(T * h)
         if plan.with_max_logits:
             st["ml_out2"] = plan.max_logits.view(T, h)
+    plan.state["graph_plan"] = None
+    if (cluster >= GRAPH_SEPARATE_MIN_CLUSTER and staging != "l2" and plan.h_q not in NARROW_HEADS
+            and plan.device.type == "cuda" and graph_mode() == "separate"):
+        plan.state["graph_plan"] = graph_plan(plan, own_splits, compile_wide, compile_narrow, compile_combine)
     # the arguments that are the same tensors on every call, converted once (ffi_constants)
     st["c"] = ffi_constants(kern, {
         "bias0": st["bias0"], "bt0": st["bt0"], "tl0": st["tl0"], "sink0": st["sink0"], "ml0": st["ml0"],
@@ -667,6 +699,21 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine) -> None:
         "ml_parts": plan.max_logits_parts, "parts3": st.get("parts3"), "lse_parts2": st.get("lse_parts2"),
         "out2": st.get("out2"), "lse1": st.get("lse1"),
     })
+
+
+def graph_plan(plan, own_splits, compile_wide, compile_narrow, compile_combine):
+    """The plan a captured call of ``plan`` runs (:func:`graph_mode`): ``own_splits`` (the split
+    count and blocks per split the plan was made with) merged by the combine kernel, writing
+    ``plan``'s own ``out`` / ``lse`` / ``max_logits``."""
+    import dataclasses
+
+    g = dataclasses.replace(plan, num_splits=own_splits[0], blocks_per_split=own_splits[1], out=None, lse=None,
+                            max_logits=None, out_parts=None, lse_parts=None, max_logits_parts=None,
+                            counters=None, forced_splits=True, state={})
+    g.allocate()
+    g.out, g.lse, g.max_logits = plan.out, plan.lse, plan.max_logits
+    prepare_decode(g, compile_wide, compile_narrow, compile_combine, mode="separate")
+    return g
 
 
 def ffi_constants(kern, tensors: dict) -> dict:
@@ -685,8 +732,12 @@ def ffi_constants(kern, tensors: dict) -> dict:
 
 
 def run_decode(plan, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias):
-    """One decode step into ``plan``'s buffers (inputs already checked by the API)."""
+    """One decode step into ``plan``'s buffers (inputs already checked by the API); a call captured
+    in a CUDA graph runs the plan's graph plan if it has one (:func:`graph_mode`)."""
     st = plan.state
+    g = st.get("graph_plan")
+    if g is not None and torch.cuda.is_current_stream_capturing():
+        return run_decode(g, q, kv_cache, indices, sm_scale, topk_length, attn_sink, block_table, q_bias)
     c = st["c"]  # the plan's own arguments, converted once (ffi_constants)
     flags = 0
     if q_bias is None:
