@@ -881,7 +881,7 @@ def test_pair_cluster_rule(monkeypatch):
             decode_host.compile_decode_kernel(Kernel(), 576, h, split, "sm_90a", pair_cluster=True)
 
 
-@pytest.mark.parametrize("h,with_ml", [(128, False), (64, True)])
+@pytest.mark.parametrize("h,with_ml", [(128, False), (64, True), (16, True)])
 def test_graph_plan_runs_the_own_splits_with_the_combine_kernel(emulated_sm90, h, with_ml, monkeypatch):
     """MLA_KERNELS_DECODE_GRAPH (``separate`` default, ``same``): a plan whose eager calls merge in a
     cluster of 8+ CTAs gets a graph plan -- its own split count (before the cluster rule lowered it),

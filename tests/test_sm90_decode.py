@@ -543,7 +543,7 @@ def test_decode_unit_scale_values(monkeypatch):
 
 
 @pytest.mark.parametrize("combine,h", [("separate", 128), ("fused", 128), ("fused", 16), ("cluster", 128),
-                                       ("auto", 128), ("auto", 64)])
+                                       ("auto", 128), ("auto", 64), ("auto", 16)])
 def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
     """A planned step captured in a CUDA graph, replayed with new q / indices / topk_length /
     block_table contents; split and unsplit plans agree to bf16 rounding."""

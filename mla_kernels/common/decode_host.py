@@ -567,15 +567,17 @@ DEFAULT_GRAPH = "separate"
 #: the smallest merge cluster whose plans run the combine kernel instead when captured in a CUDA
 #: graph (``MLA_KERNELS_DECODE_GRAPH=separate``).  H200, graph replays back to back
 #: (docs/PERF.md): the plans' own 16 splits with the combine kernel took 0.90x (b 1 h_q 128,
-#: clusters of 16), 0.84x (b 2 s_q 2 h_q 128, 8), 0.83x (b 4 h_q 128, 8), 0.91x (b 1 h_q 64, 16)
-#: the cluster step's time; the mid batches' clusters of 3..6 measured 0.81-0.93x the combine
-#: kernel's time (seventeenth / eighteenth rounds), so they keep the cluster
+#: clusters of 16), 0.84x (b 2 s_q 2 h_q 128, 8), 0.83x (b 4 h_q 128, 8), 0.91x (b 1 h_q 64, 16),
+#: and for the narrow kernel 0.78x (b 1 h_q 16), 0.77x (b 1 h_q 32), 0.76x (b 1 h_q 8), 0.83x
+#: (b 4 h_q 16), 0.81x (b 8 h_q 16, 8) the cluster step's time; the mid batches' clusters of 3..6
+#: measured 0.81-0.93x the combine kernel's time (seventeenth / eighteenth rounds), so they keep
+#: the cluster (not re-measured against today's combine)
 GRAPH_SEPARATE_MIN_CLUSTER = 8
 
 
 def graph_mode() -> str:
     """How a plan whose eager calls merge in a DSMEM cluster of at least
-    :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs (the 64-head kernel's small batches) runs when its call is
+    :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs (both kernels' small batches) runs when its call is
     captured in a CUDA graph, read when a plan is made: ``MLA_KERNELS_DECODE_GRAPH`` = ``separate``
     (default: the plan's own split count and the combine kernel -- two launches, which cost host
     time only when a call is not replayed from a graph, and less GPU time: the cluster launches of
@@ -688,8 +690,8 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Op
         if plan.with_max_logits:
             st["ml_out2"] = plan.max_logits.view(T, h)
     plan.state["graph_plan"] = None
-    if (cluster >= GRAPH_SEPARATE_MIN_CLUSTER and staging != "l2" and plan.h_q not in NARROW_HEADS
-            and plan.device.type == "cuda" and graph_mode() == "separate"):
+    if (cluster >= GRAPH_SEPARATE_MIN_CLUSTER and staging != "l2" and plan.device.type == "cuda"
+            and graph_mode() == "separate"):
         plan.state["graph_plan"] = graph_plan(plan, own_splits, compile_wide, compile_narrow, compile_combine)
     # the arguments that are the same tensors on every call, converted once (ffi_constants)
     st["c"] = ffi_constants(kern, {
