@@ -1,7 +1,7 @@
 // DSMEM exchange microbenchmark: how fast can the CTAs of one thread-block cluster move a split
 // combine's partials between their shared memories, by instruction kind?  (Issue 16: the decode
 // cluster merge, common/cluster_merge.py, pulls each CTA's slice of the heads from every peer with
-// 16-byte ld.shared::cluster loads; the eleventh round measured ~25 GB/s per SM for that.)
+// 16-byte ld.shared::cluster loads; docs/PERF.md's decode chapter measured ~25 GB/s per SM for that.)
 //
 // Every CTA (256 threads, one per SM: ~200 KB of dynamic shared memory) owns B bytes of "partial"
 // and receives B bytes: B / n from each of the n CTAs of its cluster (itself included), as the

@@ -570,13 +570,13 @@ DEFAULT_GRAPH = "separate"
 #: clusters of 16), 0.84x (b 2 s_q 2 h_q 128, 8), 0.83x (b 4 h_q 128, 8), 0.91x (b 1 h_q 64, 16),
 #: and for the narrow kernel 0.78x (b 1 h_q 16), 0.77x (b 1 h_q 32), 0.76x (b 1 h_q 8), 0.83x
 #: (b 4 h_q 16), 0.81x (b 8 h_q 16, 8) the cluster step's time; the mid batches' clusters of 3..6
-#: measured 0.81-0.93x the combine kernel's time (seventeenth / eighteenth rounds), so they keep
-#: the cluster (not re-measured against today's combine)
+#: measured 0.81-0.93x the combine kernel's time when the fit rule was chosen (docs/PERF.md), so
+#: they keep the cluster (not re-measured against today's combine)
 GRAPH_SEPARATE_MIN_CLUSTER = 8
 
 
 def graph_mode() -> str:
-    """How a plan whose eager calls merge in a DSMEM cluster of at least
+    """How an ``auto`` plan whose eager calls merge in a DSMEM cluster of at least
     :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs (both kernels' small batches) runs when its call is
     captured in a CUDA graph, read when a plan is made: ``MLA_KERNELS_DECODE_GRAPH`` = ``separate``
     (default: the plan's own split count and the combine kernel -- two launches, which cost host
@@ -589,7 +589,7 @@ def graph_mode() -> str:
 def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Optional[str] = None) -> None:
     """Compile the plan's kernels (through the compile cache) and make every placeholder and
     view a call needs, so that a call allocates nothing (and can be captured in a CUDA graph).
-    ``mode``: the combine mode (default: :func:`combine_mode`).  A CUDA plan whose merge cluster
+    ``mode``: the combine mode (default: :func:`combine_mode`).  An ``auto`` CUDA plan whose merge cluster
     has at least :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs also gets, by :func:`graph_mode`, a second
     plan for captured calls (``state["graph_plan"]``: its own split count, the combine kernel,
     the same ``out`` / ``lse`` / ``max_logits`` buffers)."""
@@ -649,7 +649,7 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Op
         plan.state["ring"] = ring
         kw["ring_alt"] = ring == "alt"
         pd_key = pd_key + (ring,)
-    pair = plan.h_q not in NARROW_HEADS and pair_for(plan, split, cluster, decode_pair_mode())
+    pair = pair_for(plan, split, cluster, decode_pair_mode())  # (h_q % 128 == 0: never the narrow kernel)
     plan.state["pair"] = pair
     if pair:
         kw["pair_cluster"] = True
@@ -690,7 +690,8 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Op
         if plan.with_max_logits:
             st["ml_out2"] = plan.max_logits.view(T, h)
     plan.state["graph_plan"] = None
-    if (cluster >= GRAPH_SEPARATE_MIN_CLUSTER and staging != "l2" and plan.device.type == "cuda"
+    # (part of the ``auto`` rule: a forced combine mode runs as forced in graphs too)
+    if (mode == "auto" and cluster >= GRAPH_SEPARATE_MIN_CLUSTER and staging != "l2" and plan.device.type == "cuda"
             and graph_mode() == "separate"):
         plan.state["graph_plan"] = graph_plan(plan, own_splits, compile_wide, compile_narrow, compile_combine)
     # the arguments that are the same tensors on every call, converted once (ffi_constants)
