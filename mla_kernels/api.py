@@ -789,9 +789,10 @@ def decode_plan(
     and allocates every buffer, so that a call with the plan allocates nothing and never
     synchronises with the device (CUDA-graph capturable).  Its ``out`` / ``lse`` buffers are
     what each call returns (overwritten by the next call).  ``device`` defaults to the current
-    CUDA device if there is one, else the CPU.  On sm90 a small-batch plan whose eager calls merge
-    their splits in a thread-block cluster of 8 or more CTAs (one launch) also prepares the same
-    step with the combine kernel, which a call captured in a CUDA graph runs instead (less GPU
+    CUDA device if there is one, else the CPU.  On sm90 a small- or mid-batch plan whose eager calls
+    merge their splits in a thread-block cluster (one launch) of 8 or more CTAs, or of fewer splits
+    than the plan's own (re-split so that the clusters fit), also prepares the step with its own
+    splits and the combine kernel, which a call captured in a CUDA graph runs instead (less GPU
     time; ``MLA_KERNELS_DECODE_GRAPH``, README): the two agree to within bf16 rounding.
     """
     b, s_q, h_q, topk = (_check_pos_int(n, v) for n, v in (("b", b), ("s_q", s_q), ("h_q", h_q), ("topk", topk)))

@@ -881,6 +881,23 @@ def test_pair_cluster_rule(monkeypatch):
             decode_host.compile_decode_kernel(Kernel(), 576, h, split, "sm_90a", pair_cluster=True)
 
 
+def test_graph_plan_rule(monkeypatch):
+    """Which eager cluster plans get a graph plan (``decode_host.wants_graph_plan``): clusters of
+    8+ CTAs, and smaller clusters that the fit rule made of more splits; never a plan without a
+    cluster, a forced combine mode, the L2 staging, a CPU plan or ``MLA_KERNELS_DECODE_GRAPH=same``."""
+    monkeypatch.delenv(decode_host.ENV_GRAPH, raising=False)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    want = decode_host.wants_graph_plan
+    assert want("auto", 16, 16, "f32", cuda) and want("auto", 8, 16, "bf16", cuda) and want("auto", 8, 8, "f32", cuda)
+    assert want("auto", 6, 8, "f32", cuda) and want("auto", 4, 6, "f32", cuda)  # re-split by the fit rule
+    assert not want("auto", 4, 4, "f32", cuda) and not want("auto", 3, 3, "f32", cuda)  # own small clusters
+    assert not want("auto", 0, 16, "f32", cuda)  # the combine kernel already
+    assert not want("cluster", 16, 16, "f32", cuda) and not want("cluster", 8, 16, "f32", cuda)
+    assert not want("auto", 16, 16, "l2", cuda) and not want("auto", 16, 16, "f32", cpu)
+    monkeypatch.setenv(decode_host.ENV_GRAPH, "same")
+    assert not want("auto", 16, 16, "f32", cuda) and not want("auto", 6, 8, "f32", cuda)
+
+
 @pytest.mark.parametrize("h,with_ml", [(128, False), (64, True), (16, True)])
 def test_graph_plan_runs_the_own_splits_with_the_combine_kernel(emulated_sm90, h, with_ml, monkeypatch):
     """MLA_KERNELS_DECODE_GRAPH (``separate`` default, ``same``): a plan whose eager calls merge in a

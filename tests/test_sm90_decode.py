@@ -543,13 +543,17 @@ def test_decode_unit_scale_values(monkeypatch):
 
 
 @pytest.mark.parametrize("combine,h", [("separate", 128), ("fused", 128), ("fused", 16), ("cluster", 128),
-                                       ("auto", 128), ("auto", 64), ("auto", 16)])
+                                       ("auto", 128), ("auto", 64), ("auto", 16), ("auto-mid", 64)])
 def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
     """A planned step captured in a CUDA graph, replayed with new q / indices / topk_length /
-    block_table contents; split and unsplit plans agree to bf16 rounding."""
+    block_table contents; split and unsplit plans agree to bf16 rounding.  ``auto-mid``: b 8 s_q 2
+    h_q 64, whose 8 splits the fit rule re-splits into 6 in clusters of 6 (132 SMs): its captured
+    step runs the graph plan (its own 8 splits and the combine kernel)."""
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "sm90")
+    mid = combine == "auto-mid"
+    combine = "auto" if mid else combine
     monkeypatch.setenv("MLA_KERNELS_DECODE_COMBINE", combine)
-    b, s_q, topk = 2, 2, 2048
+    b, s_q, topk = (8 if mid else 2), 2, 2048
     c = dcase(b, s_q, h, topk, tl="b", sink=True, bias=True, seed=11)
     sc = 576 ** -0.5
     plan = mk.decode_plan(b, s_q, h, topk, device="cuda")
@@ -571,7 +575,9 @@ def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
         g_out, g_lse = call()
     graph.replay()
     torch.cuda.synchronize()
-    if combine == "auto":
+    if mid:
+        assert 1 < plan.state["cluster"] < plan.state["own_splits"] == 8, plan.state["cluster"]
+    elif combine == "auto":
         # the default rule: clusters of 16 if the rows' clusters fit at once (the driver's answer),
         # else 8 splits in clusters of 8 (b 2, s_q 2, h_q 128 on an H100 / H200: 8 rows, 7 fit)
         from mla_kernels.common import decode_host
@@ -587,9 +593,10 @@ def test_decode_matches_unsplit_and_graph_capture(combine, h, monkeypatch):
     # auto plans with clusters of 8+ CTAs: the captured step ran the graph plan (own 16 splits + the
     # combine kernel; MLA_KERNELS_DECODE_GRAPH=separate, the default) into the plan's own buffers; a
     # forced combine mode runs as forced
-    gp = plan.state["graph_plan"]
-    assert (gp is not None) == (combine == "auto" and plan.state["cluster"] >= 8)
-    assert gp is None or (gp.num_splits == 16 and gp.out is plan.out and g_out is plan.out)
+    gp, cl = plan.state["graph_plan"], plan.state["cluster"]
+    assert (gp is not None) == (combine == "auto" and (cl >= 8 or 0 < cl < plan.state["own_splits"]))
+    assert gp is None or (gp.num_splits == plan.state["own_splits"] and not gp.state["cluster"]
+                          and gp.out is plan.out and g_out is plan.out)
     assert rel_l2(g_out.float(), o1.float()) < 1e-2  # split vs unsplit
     fin = torch.isfinite(l1)
     assert torch.equal(fin, torch.isfinite(g_lse))

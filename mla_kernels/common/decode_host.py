@@ -565,20 +565,19 @@ ENV_GRAPH = "MLA_KERNELS_DECODE_GRAPH"
 GRAPH_MODES = ("separate", "same")
 DEFAULT_GRAPH = "separate"
 #: the smallest merge cluster whose plans run the combine kernel instead when captured in a CUDA
-#: graph (``MLA_KERNELS_DECODE_GRAPH=separate``).  H200, graph replays back to back
-#: (docs/PERF.md): the plans' own 16 splits with the combine kernel took 0.90x (b 1 h_q 128,
-#: clusters of 16), 0.84x (b 2 s_q 2 h_q 128, 8), 0.83x (b 4 h_q 128, 8), 0.91x (b 1 h_q 64, 16),
-#: and for the narrow kernel 0.78x (b 1 h_q 16), 0.77x (b 1 h_q 32), 0.76x (b 1 h_q 8), 0.83x
-#: (b 4 h_q 16), 0.81x (b 8 h_q 16, 8) the cluster step's time; the mid batches' clusters of 3..6
-#: measured 0.81-0.93x the combine kernel's time when the fit rule was chosen (docs/PERF.md), so
-#: they keep the cluster (not re-measured against today's combine)
+#: graph (``MLA_KERNELS_DECODE_GRAPH=separate``; so do smaller clusters that the fit rule made of
+#: more splits, :func:`wants_graph_plan`).  H200, graph replays back to back (docs/PERF.md): the
+#: plans' own 16 splits with the combine kernel took 0.90x (b 1 h_q 128, clusters of 16), 0.84x
+#: (b 2 s_q 2 h_q 128, 8), 0.83x (b 4 h_q 128, 8), 0.91x (b 1 h_q 64, 16), and for the narrow kernel
+#: 0.78x (b 1 h_q 16), 0.77x (b 1 h_q 32), 0.76x (b 1 h_q 8), 0.83x (b 4 h_q 16), 0.81x (b 8 h_q 16,
+#: 8) the cluster step's time
 GRAPH_SEPARATE_MIN_CLUSTER = 8
 
 
 def graph_mode() -> str:
     """How an ``auto`` plan whose eager calls merge in a DSMEM cluster of at least
-    :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs (both kernels' small batches) runs when its call is
-    captured in a CUDA graph, read when a plan is made: ``MLA_KERNELS_DECODE_GRAPH`` = ``separate``
+    :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs (both kernels' small batches), or in smaller clusters
+    of a re-split plan (:func:`wants_graph_plan`), runs when its call is captured in a CUDA graph, read when a plan is made: ``MLA_KERNELS_DECODE_GRAPH`` = ``separate``
     (default: the plan's own split count and the combine kernel -- two launches, which cost host
     time only when a call is not replayed from a graph, and less GPU time: the cluster launches of
     8-16 CTAs wait for whole GPCs) or ``same`` (the eager path).  The two paths' outputs agree to
@@ -589,8 +588,8 @@ def graph_mode() -> str:
 def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Optional[str] = None) -> None:
     """Compile the plan's kernels (through the compile cache) and make every placeholder and
     view a call needs, so that a call allocates nothing (and can be captured in a CUDA graph).
-    ``mode``: the combine mode (default: :func:`combine_mode`).  An ``auto`` CUDA plan whose merge cluster
-    has at least :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs also gets, by :func:`graph_mode`, a second
+    ``mode``: the combine mode (default: :func:`combine_mode`).  A plan that :func:`wants_graph_plan`
+    (``auto`` CUDA plans merging in clusters of 8+ CTAs, or re-split to smaller ones) also gets a second
     plan for captured calls (``state["graph_plan"]``: its own split count, the combine kernel,
     the same ``out`` / ``lse`` / ``max_logits`` buffers)."""
     from .. import _compile
@@ -613,6 +612,7 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Op
             if plan.max_logits_parts is not None:
                 plan.max_logits_parts = plan.max_logits_parts[:cluster]
     plan.state["cluster"] = cluster
+    plan.state["own_splits"] = own_splits[0]  # (before the fit rule: what a graph plan runs)
     ef = l2_evict_first(plan.h_q)
     parts = "bf16" if split and not fused and not cluster and parts_dtype_name() == "bf16" else "f32"
     kw = dict(l2_prefetch=pf, fused=True) if fused else dict(l2_prefetch=pf)
@@ -690,9 +690,7 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Op
         if plan.with_max_logits:
             st["ml_out2"] = plan.max_logits.view(T, h)
     plan.state["graph_plan"] = None
-    # (part of the ``auto`` rule: a forced combine mode runs as forced in graphs too)
-    if (mode == "auto" and cluster >= GRAPH_SEPARATE_MIN_CLUSTER and staging != "l2" and plan.device.type == "cuda"
-            and graph_mode() == "separate"):
+    if wants_graph_plan(mode, cluster, own_splits[0], staging, plan.device):
         plan.state["graph_plan"] = graph_plan(plan, own_splits, compile_wide, compile_narrow, compile_combine)
     # the arguments that are the same tensors on every call, converted once (ffi_constants)
     st["c"] = ffi_constants(kern, {
@@ -702,6 +700,22 @@ def prepare_decode(plan, compile_wide, compile_narrow, compile_combine, mode: Op
         "ml_parts": plan.max_logits_parts, "parts3": st.get("parts3"), "lse_parts2": st.get("lse_parts2"),
         "out2": st.get("out2"), "lse1": st.get("lse1"),
     })
+
+
+def wants_graph_plan(mode: str, cluster: int, own_splits: int, staging: str, device) -> bool:
+    """Whether an eager plan merging in a DSMEM cluster of ``cluster`` CTAs (0: none) also gets a
+    graph plan (:func:`graph_plan`) for its captured calls: only under the ``auto`` combine rule
+    (a forced combine mode runs as forced in graphs too), on a CUDA device, with a DSMEM-staged
+    merge and :func:`graph_mode` ``separate``, when the cluster has at least
+    :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs or when the fit rule lowered the plan's ``own_splits``
+    to fewer splits in clusters that fit (those re-split plans exist for the host time of one
+    launch; in a graph their own splits with the combine kernel take less GPU time).  H200, graph
+    replays back to back (docs/PERF.md): b 16 h_q 64, b 8 h_q 128 and b 4 s_q 2 h_q 128 (8 splits
+    re-split to clusters of 6) ran 0.93x / 0.79x / 0.83x the time with the combine kernel; plans
+    whose own small clusters fit (3, 4 splits) measured 0.97-1.02x and keep the cluster."""
+    if not cluster or mode != "auto" or staging == "l2" or device.type != "cuda" or graph_mode() != "separate":
+        return False
+    return cluster >= GRAPH_SEPARATE_MIN_CLUSTER or cluster < own_splits
 
 
 def graph_plan(plan, own_splits, compile_wide, compile_narrow, compile_combine):
