@@ -137,8 +137,11 @@ def test_topk_chunked_equals_whole(monkeypatch):
     monkeypatch.setattr(ref, "_CHUNK_BYTES", 4096)  # one row per chunk
     assert ref._indexer_chunk(s_q, h, s_kv, 4) == 1
     chunked = mk.indexer_topk(q, k, w, 10, return_logits=True)
-    for a, b in zip(whole, chunked):
-        assert torch.equal(a, b)
+    # the same slots; the logits to float32 rounding (BLAS may sum in another order for another
+    # GEMM size: seen on an AMD EPYC CI host, where the whole and the one-row GEMMs differ in the
+    # last bit)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    torch.testing.assert_close(chunked[2], whole[2], rtol=1e-6, atol=1e-6)
 
 
 def test_fp8_through_dequantisation():
