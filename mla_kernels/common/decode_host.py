@@ -577,8 +577,9 @@ GRAPH_SEPARATE_MIN_CLUSTER = 8
 def graph_mode() -> str:
     """How an ``auto`` plan whose eager calls merge in a DSMEM cluster of at least
     :data:`GRAPH_SEPARATE_MIN_CLUSTER` CTAs (both kernels' small batches), or in smaller clusters
-    of a re-split plan (:func:`wants_graph_plan`), runs when its call is captured in a CUDA graph, read when a plan is made: ``MLA_KERNELS_DECODE_GRAPH`` = ``separate``
-    (default: the plan's own split count and the combine kernel -- two launches, which cost host
+    of a re-split plan (:func:`wants_graph_plan`), runs when its call is captured in a CUDA graph,
+    read when a plan is made: ``MLA_KERNELS_DECODE_GRAPH`` = ``separate`` (default: the plan's own
+    split count and the combine kernel -- two launches, which cost host
     time only when a call is not replayed from a graph, and less GPU time: the cluster launches of
     8-16 CTAs wait for whole GPCs) or ``same`` (the eager path).  The two paths' outputs agree to
     within bf16 rounding (the merge's partials are float32 in one, bf16 in the other)."""
