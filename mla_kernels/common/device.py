@@ -55,6 +55,22 @@ def createpolicy_evict_last(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def createpolicy_evict_normal(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy with the default eviction priority (``createpolicy.fractional.L2::evict_normal``)."""
+    return Int64(
+        llvm.inline_asm(
+            T.i64(),
+            [],
+            "createpolicy.fractional.L2::evict_normal.b64 $0, 1.0;",
+            "=l",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
 def createpolicy_evict_first(*, loc=None, ip=None) -> Int64:
     """An L2 cache policy for data read once (``createpolicy.fractional.L2::evict_first``)."""
     return Int64(

@@ -30,7 +30,8 @@ Then both consumer warpgroups:
   L2 requests, so the fragment is first rearranged in registers (a quad shuffle makes 4-column
   vectors, an 8 x 8 lane transpose puts each warp instruction on two whole rows): every atomic
   instruction then covers 4 full 128-byte lines instead of 16 partial ones (-29% time).  The
-  workspace lines carry an L2 evict_last hint.  In the deterministic variant the chunk is
+  gathered KV rows carry an L2 evict_first hint, the workspace's atomics evict_normal (see
+  ``ws_policy``).  In the deterministic variant the chunk is
   instead stored (no atomics) into a per-slot row of a ``[tokens * row_blocks * topk, d_qk]``
   workspace that the host reduces in a fixed order.
 * **Pair sum** (h_q a multiple of 128): the two head-block CTAs of a token run as a 2-CTA cluster
@@ -194,12 +195,17 @@ class SparseMlaBwdSm90:
             self.dkv_chunks = ((0, 1, 2, 8), (3, 4, 5, 6, 7))
         else:
             self.dkv_chunks = ((0, 1, 2, 3), (4, 5, 6, 7))
-        # L2 policy: the dKV workspace's atomics are the bottleneck (HBM read-modify-write once it
-        # outgrows L2), so its lines are marked evict_last and the gathered KV rows evict_first
-        # (+4% at h128/s_kv 32k, +7% at h64).  The two 64-head CTAs of a token run as a 2-CTA
-        # cluster so that they are co-scheduled and their atomics to the same rows meet in L2
-        # (+2% at 32k, +9% at 64k).  Both measured on the H200.
-        self.ws_evict_last = True
+        # L2 policy: the gathered KV rows are marked evict_first (L2 is for the dKV workspace).
+        # The workspace's atomics carried evict_last (+4% at h128/s_kv 32k, +7% at h64, measured
+        # before the band order and the rotated block order); on top of those, evict_normal is
+        # 1.4-1.6% faster at s_kv 128k and 1.1% at 64k, 0.5-1% at 8k / 32k, neutral at h_q 64 (H200,
+        # docs/PERF.md): at 128k a workspace line gets about one add per pass over the bands, so
+        # evict_last only holds lines that will not be touched again soon.  ``ws_policy``:
+        # "normal" or "last" (the old policy, a knob for measurements).  The two 64-head CTAs
+        # of a token run as a 2-CTA cluster so that they are co-scheduled and their atomics to
+        # the same rows meet in L2 (+2% at 32k, +9% at 64k).  Measured on the H200.
+        self.gather_evict_first = True
+        self.ws_policy = "normal"
         self.pair_cluster = True
         # Registers per thread after ``setmaxnreg``, per warpgroup (WG0, WG1) and for the producer:
         # the kernel launches with 168 x 384, i.e. 504 per (WG0, WG1, producer) triple.  The pair
@@ -509,7 +515,7 @@ class SparseMlaBwdSm90:
     ):
         """WG2: gather each block's KV rows in two pieces; publish row indices and validity."""
         gather = KvGather(mKV, mIdx, s_idx, topk_len, ptid, self.d_qk, slots=1)
-        if const_expr(self.ws_evict_last):
+        if const_expr(self.gather_evict_first):
             gather.policy = dev.createpolicy_evict_first()  # L2 is for the workspace
         sK_addr = dev.smem_addr_u32(sK_ptr)
         rec = ptid == 0
@@ -986,10 +992,12 @@ class _Scatter:
         self.elem = 2 if kernel.deterministic else 4  # workspace bytes per value (bf16 per-slot rows)
         self.ws_base = dev.gmem_addr_i64(mWs.iterator) + Int64((16 * (r8 & 1) + 4 * (lane % 4)) * self.elem)
         self.row_bytes = kernel.d_qk * (2 if kernel.deterministic else 4)
-        self.ws_evict_last = kernel.ws_evict_last
+        self.ws_hint = kernel.ws_policy is not None
         self.policy = Int64(0)
-        if kernel.ws_evict_last:
+        if kernel.ws_policy == "last":
             self.policy = dev.createpolicy_evict_last()
+        elif kernel.ws_policy == "normal":
+            self.policy = dev.createpolicy_evict_normal()
         self.det_row0 = Int32(0)
         if kernel.deterministic:
             # this CTA's first per-slot row; int32 suffices: the host bounds a wave's rows.  With
@@ -1015,7 +1023,7 @@ class _Scatter:
             addr = self.ws_base + dst * Int64(self.row_bytes) + col_bytes
             if const_expr(self.deterministic):
                 dev.st_global_v2_b32(addr, dev.pack_bf16x2(v0, v1), dev.pack_bf16x2(v2, v3))
-            elif const_expr(self.ws_evict_last):
+            elif const_expr(self.ws_hint):
                 dev.red_add_v4_f32_hint(addr, v0, v1, v2, v3, self.policy)
             else:
                 dev.red_add_v4_f32(addr, v0, v1, v2, v3)
