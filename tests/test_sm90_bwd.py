@@ -127,6 +127,26 @@ def test_bwd_rotated_block_order_matches_fixed(h_q, d_qk, monkeypatch):
         assert rel_l2(rot[1].float(), fixed[1].float()) <= 2e-3
 
 
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_bwd_deferred_scatter_matches_direct(d_qk, monkeypatch):
+    """WG1's last dKV chunk scattered in the next block (the default at h_q 128 up to the backend's
+    s_kv bound; the last block's after the loop) against MLA_KERNELS_BWD_DEFER=0, both checked
+    against the reference with topk_length (short rows too), a sink and duplicates: attn_sum the same
+    bits, dq the same order of additions, dkv within rounding (the atomics' order)."""
+    from mla_kernels.common.bwd_host import defer_scatter_for
+
+    case = make_case(257, 128, d_qk, 1500, 512, device="cuda", topk_length=True, sink="finite", dup_frac=0.1)
+    assert defer_scatter_for(16384, 1500, 128, False)
+    monkeypatch.setenv("MLA_KERNELS_BWD_ROTATE", "0")  # a fixed block order: dq comparable bitwise
+    monkeypatch.setenv("MLA_KERNELS_BWD_DEFER", "0")
+    direct = run_and_check(case, monkeypatch, attn_sum=True)
+    monkeypatch.setenv("MLA_KERNELS_BWD_DEFER", "1")
+    deferred = run_and_check(case, monkeypatch, attn_sum=True)
+    assert torch.equal(deferred[3], direct[3]), "attn_sum differs"
+    assert torch.equal(deferred[0], direct[0]), "dq differs"
+    assert rel_l2(deferred[1].float(), direct[1].float()) <= 2e-3
+
+
 def test_bwd_more_than_65535_queries(monkeypatch):
     case = make_case(70_000, 64, 512, 500, 64, device="cuda", invalid_frac=0.1, empty_rows=3)
     run_and_check(case, monkeypatch)

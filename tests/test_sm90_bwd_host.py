@@ -187,3 +187,25 @@ def test_rotate_shift_only_on_ordered_nondeterministic_calls(monkeypatch):
     monkeypatch.setenv(bwd_host.ROTATE_ENV, "yes")
     with pytest.raises(ValueError, match="MLA_KERNELS_BWD_ROTATE"):
         bwd_host.rotate_shift_for(13, True, False)
+
+
+def test_deferred_scatter_only_where_the_workspace_fits_l2(monkeypatch):
+    """The deferred scatter (``SparseMlaBwdSm90(defer_scatter=True)``) is asked for only at h_q a
+    multiple of 128, not deterministic, s_kv up to the backend's bound (sm90: 16k, the float32
+    workspace within L2; the variant is slower past it); MLA_KERNELS_BWD_DEFER=0 turns it off,
+    anything but 0 / 1 is an error that names the knob."""
+    monkeypatch.delenv(bwd_host.DEFER_ENV, raising=False)
+    bound = BACKEND.bwd_defer_max_skv
+    assert bound == 16384 and bound * 576 * 4 < 50 * 2**20
+    assert bwd_host.defer_scatter_for(bound, 8192, 128, False)
+    assert bwd_host.defer_scatter_for(bound, bound, 256, False)
+    assert not bwd_host.defer_scatter_for(bound, bound + 1, 128, False)
+    assert not bwd_host.defer_scatter_for(bound, 8192, 64, False)
+    assert not bwd_host.defer_scatter_for(bound, 8192, 192, False)
+    assert not bwd_host.defer_scatter_for(bound, 8192, 128, True)
+    assert not bwd_host.defer_scatter_for(0, 8192, 128, False)
+    monkeypatch.setenv(bwd_host.DEFER_ENV, "0")
+    assert not bwd_host.defer_scatter_for(bound, 8192, 128, False)
+    monkeypatch.setenv(bwd_host.DEFER_ENV, "2")
+    with pytest.raises(ValueError, match="MLA_KERNELS_BWD_DEFER"):
+        bwd_host.defer_scatter_for(bound, 8192, 128, False)

@@ -6,7 +6,7 @@
 Kernel names say the static configuration: ``<arch>_<op>_d<d_qk>_h<h_q>`` then ``_1cta`` /
 ``_2cta`` (which sm100 kernel: one CTA per 64 heads, or 2-CTA clusters of 128 heads), ``_topklen``,
 ``_sink``, ``_asum`` (attn_sum fused in the backward), ``_det`` (deterministic), ``_dlse``,
-``_norm`` (normalised attn_dist), ``_heads``/``_tokens`` (the sm90 attn_dist mode), ``_persist`` (its
+``_defer`` (the sm90 backward's deferred scatter, ``defer_scatter``), ``_norm`` (normalised attn_dist), ``_heads``/``_tokens`` (the sm90 attn_dist mode), ``_persist`` (its
 persistent grid, compiled for 132 SMs), ``_qscalar`` (Q by 4-byte loads instead of the default
 16-byte loads and quad shuffles), ``_qring`` (Q through the KV ring, ldmatrix into registers),
 ``_oregs`` (decode's direct mode storing O from registers instead of bulk copies of smem-staged rows),
@@ -84,6 +84,8 @@ def kernels_for(arch):
             ("sm90_bwd_d576_h128_det", lambda a, **kw: compile_bwd(576, 128, False, deterministic=True, arch=a, **kw)),
             # the kernel that runs by default on band-ordered slots (bwd_host.rotate_shift_for)
             ("sm90_bwd_d576_h128_rot", lambda a, **kw: compile_bwd(576, 128, False, arch=a, rotate_shift=13, **kw)),
+            ("sm90_bwd_d576_h128_rot_defer",
+             lambda a, **kw: compile_bwd(576, 128, False, arch=a, rotate_shift=13, defer_scatter=True, **kw)),
             ("sm90_bwd_d576_h128_trace", lambda a, **kw: compile_bwd(576, 128, False, arch=a, trace=True, **kw)),
             ("sm90_bwd_d512_h64", lambda a, **kw: compile_bwd(512, 64, False, arch=a, **kw)),
             ("segment_sum_d576", lambda a, **kw: compile_segment_sum(576, a, **kw)),

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from .. import _compile
-from . import host
+from . import fastpath, host
 from .order_host import kv_ordered, rotate_shift_knob, sort_enabled
 from .problem import Problem
 from ..reference import effective_lse, valid_mask
@@ -89,8 +89,24 @@ def rotate_shift_for(backend_shift: int, ordered: bool, deterministic: bool) -> 
     return rotate_shift_knob(backend_shift, ROTATE_ENV, "1")
 
 
+#: Environment switch of the backward's deferred scatter (``0``: off; for A/B timing).  See
+#: :func:`defer_scatter_for`.
+DEFER_ENV = "MLA_KERNELS_BWD_DEFER"
+
+
+def defer_scatter_for(max_skv: int, s_kv: int, h_q: int, deterministic: bool) -> bool:
+    """Whether the kernel defers a warpgroup's last dKV scatter into the next block
+    (``SparseMlaBwdSm90(defer_scatter=True)``): for the pair-summed kernel (h_q a multiple of
+    128), not deterministic, s_kv up to the backend's ``max_skv`` (0: the backend has no such
+    variant) -- past it the late atomics miss L2 and the variant is slower -- unless
+    ``MLA_KERNELS_BWD_DEFER=0``."""
+    if not max_skv or deterministic or h_q % 128 != 0 or s_kv > max_skv:
+        return False
+    return fastpath.knob_choice(DEFER_ENV, ("0", "1"), "1") == "1"
+
+
 def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, deterministic: bool,
-            has_dlse: bool, rotate_shift: int = 0):
+            has_dlse: bool, rotate_shift: int = 0, defer: bool = False):
     """``(kernel object, compiled function)`` of one configuration (compiled once per process)."""
     arch = _compile.arch_for_device(p.device)
     has_tl = p.topk_length is not None
@@ -99,6 +115,9 @@ def _kernel(p: Problem, compile_bwd, name: str, attn_sum: bool, scaled: bool, de
     if rotate_shift:  # (only backends that declare a shift take the argument)
         key += (("rotate_shift", rotate_shift),)
         extra["rotate_shift"] = rotate_shift
+    if defer:  # (likewise: only backends with ``bwd_defer_max_skv``)
+        key += (("defer_scatter", True),)
+        extra["defer_scatter"] = True
     return _compile.cached_compile(
         key, lambda: compile_bwd(p.d_qk, p.h_q, has_tl, attn_sum, scaled, deterministic, has_dlse, arch, **extra),
         host_attrs=KERNEL_HOST_ATTRS,
@@ -113,13 +132,14 @@ def ws_row_blocks(kernel, h_q: int) -> int:
 
 
 def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, return_attn_sum: bool = False,
-            *, compile_bwd, name: str, sort_indices: bool = False, rotate_shift: int = 0):
+            *, compile_bwd, name: str, sort_indices: bool = False, rotate_shift: int = 0, defer_max_skv: int = 0):
     """The backward on a validated, topk-padded problem: ``(dq, dkv, d_sink[, attn_sum])``.
 
     ``compile_bwd`` is the backend's ``compile_bwd`` (``sm90`` or ``sm100``), ``name`` its compile
     cache key (the kernel class name); ``sort_indices``: run the kernel on :func:`kv_ordered`
     slots (``attn_sum`` is mapped back to the caller's slot order); ``rotate_shift``: the backend's
-    block-order tick on such slots (:func:`rotate_shift_for`)."""
+    block-order tick on such slots (:func:`rotate_shift_for`); ``defer_max_skv``: the backend's
+    bound for the deferred scatter (:func:`defer_scatter_for`)."""
     perm = None
     ordered = sort_indices and sort_enabled() and p.indices.is_cuda
     if ordered:
@@ -129,7 +149,8 @@ def run_bwd(p: Problem, out, dout, lse, dlse=None, deterministic: bool = False, 
     lse2, corr, asum_scale, lse_eff = row_terms(p, lse, dlse, return_attn_sum)
     scaled = asum_scale is not None
     rot = rotate_shift_for(rotate_shift, ordered, deterministic)
-    kernel, fn = _kernel(p, compile_bwd, name, return_attn_sum, scaled, deterministic, corr is not None, rot)
+    defer = defer_scatter_for(defer_max_skv, p.s_kv, p.h_q, deterministic)
+    kernel, fn = _kernel(p, compile_bwd, name, return_attn_sum, scaled, deterministic, corr is not None, rot, defer)
 
     dq = host.alloc((p.s_q, p.h_q, p.d_qk), torch.bfloat16, dev)
     delta = host.alloc((p.s_q, p.h_q), torch.float32, dev)

@@ -285,7 +285,8 @@ class CuteKernelBackend(Backend):
 
         return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
                                 compile_bwd=type(self).compile_bwd, name=self.bwd_name,
-                                sort_indices=self.bwd_sort_indices, rotate_shift=self.bwd_rotate_shift)
+                                sort_indices=self.bwd_sort_indices, rotate_shift=self.bwd_rotate_shift,
+                                defer_max_skv=getattr(self, "bwd_defer_max_skv", 0))
 
 
 def cached(key: tuple, build):

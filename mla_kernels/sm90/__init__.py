@@ -132,7 +132,7 @@ def compile_bwd(d_qk: int, h_q: int, has_topk_length: bool, attn_sum: bool = Fal
     # h_q % 128 == 0: the two head blocks of a token sum their dKV chunks on chip (2-CTA cluster)
     kernel = SparseMlaBwdSm90(d_qk, 512, has_topk_length, has_dlse, attn_sum, attn_sum_scaled, deterministic,
                               pair_sum=kw.pop("pair_sum", h_q % 128 == 0), trace=kw.pop("trace", False),
-                              rotate_shift=kw.pop("rotate_shift", 0))
+                              rotate_shift=kw.pop("rotate_shift", 0), defer_scatter=kw.pop("defer_scatter", False))
     if deterministic:
         import torch
 
@@ -202,6 +202,7 @@ class Sm90Backend(CuteKernelBackend):
     compile_bwd = staticmethod(compile_bwd)
     bwd_name = "SparseMlaBwdSm90"
     bwd_sort_indices = True  # H200, s_kv 32k: h_q 64 1.35x, h_q 128 1.01x (docs/PERF.md)
+    bwd_defer_max_skv = 16384  # defer_scatter up to this s_kv: the workspace in L2 (bwd_host.defer_scatter_for; docs/PERF.md)
     bwd_rotate_shift = 13  # H200, h_q 128: s_kv 128k / 64k 1.08x / 1.06x, 8k / 32k ~1.01x (docs/PERF.md)
     fwd_sort_indices = True  # long kv ranges only (order_host.fwd_order_wanted; docs/PERF.md)
     attn_dist_sort_indices = True  # opt-in, MLA_KERNELS_ATTN_DIST_ORDER=1 (order_host.attn_dist_order_wanted)

@@ -136,6 +136,7 @@ class SparseMlaBwdSm90:
         pair_sum: bool = False,
         trace: bool = False,
         rotate_shift: int = 0,
+        defer_scatter: bool = False,
     ):
         if d_qk not in (512, 576):
             raise ValueError(f"sm90 backward supports d_qk 512 or 576, got {d_qk}")
@@ -238,6 +239,14 @@ class SparseMlaBwdSm90:
             self.ex_lag = (2, 2)
             self.regs_wg = (248, 224)
             self.regs_producer = 32
+        # ``defer_scatter`` (d576 pair path under CUDA 13, else ignored): WG1 scatters its last
+        # chunk's pair sums in the next block, once its dP products are done (while it waits for
+        # WG0's P, ~800 cycles), instead of at the end of its dKV phase; the receive stays in the
+        # block (the landing area drains on time).  H200: 0.983x the time at s_kv 8k (two runs),
+        # 0.988 / 1.005x at 32k, 1.033x at 64k, 1.036x at 128k: once the workspace outgrows L2
+        # the late atomics miss it and hold up WG1's dS path -- so the host asks for it by s_kv
+        # (``bwd_host.defer_scatter_for``, docs/PERF.md).
+        self.defer_wg1 = defer_scatter and deep and pair_sum and not deterministic
         # every slot is used at least once per block (the flow control frees each once per block)
         assert max(self.ex_lag) < self.n_slots <= min(len(c) for c in self.dkv_chunks)
         assert sum(self.regs_wg) + self.regs_producer <= 504
@@ -724,6 +733,9 @@ class SparseMlaBwdSm90:
             tPsP_ld = thr_ld.partition_S(sP)
             tDSsDS = thr_st.partition_D(sDS)
             rPf = cute.make_rmem_tensor_like(acc_s, Float32)
+            dfr = None
+            if const_expr(self.defer_wg1):
+                dfr = cute.make_rmem_tensor((16,), Float32)
             self._delta_rows(mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg)
             nd0 = -sDelta[dev.fragment_row(idx_in_wg, 0)] * sm_scale
             nd1 = -sDelta[dev.fragment_row(idx_in_wg, 1)] * sm_scale
@@ -747,6 +759,11 @@ class SparseMlaBwdSm90:
                 cute.arch.mbarrier_wait(bar_meta, parity)
                 cute.nvgpu.warpgroup.wait_group(0)
                 tr.stamp(b, 4, rec)
+                if const_expr(self.defer_wg1):
+                    if b > 0:
+                        # the previous block's last chunk (its row indices: parity b - 1, rewritten
+                        # by the producer only after this block's dQ)
+                        self._scatter_deferred(scatter, dfr, b - 1, ex.rank)
                 # dS = P (dP - delta') sm_scale, with P (bf16) from WG0 through smem.
                 cute.arch.barrier(barrier_id=BAR_P, number_of_threads=256)
                 tr.stamp(b, 5, rec)
@@ -776,10 +793,13 @@ class SparseMlaBwdSm90:
                 kv_a.release()
                 ex.dq_done(self.ex_wgs[1], 1)
                 self._dkv_chunks(1, self.ex_lag[1], self.ex_wgs[1], thr_kv, acc_kv, tKVrDS, tKVrP, sQt, sDOt,
-                                 scatter, ex, b, tr, rec)
+                                 scatter, ex, b, tr, rec, dfr)
                 tr.stamp(b, 18, rec)
                 if b + 1 < num_blocks:
                     cute.arch.barrier_arrive(barrier_id=BAR_DKV_DONE, number_of_threads=256)
+            if const_expr(self.defer_wg1):
+                if num_blocks > 0:
+                    self._scatter_deferred(scatter, dfr, num_blocks - 1, ex.rank)
 
         # ---------------- dQ epilogue: registers -> bf16 -> smem (Q's tile) -> TMA ----------------
         split = self.wg_bodies
@@ -865,8 +885,9 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def _dkv_chunks(self, wg: cutlass.Constexpr, lag: cutlass.Constexpr, exchange: cutlass.Constexpr, thr_kv, acc_kv, tKVrDS, tKVrP,
-                    sQt, sDOt, scatter, ex, b: Int32, tr, rec):
-        """dKV[:, chunk] per 64-column chunk, then its scatter.
+                    sQt, sDOt, scatter, ex, b: Int32, tr, rec, deferred=None):
+        """dKV[:, chunk] per 64-column chunk, then its scatter.  (``deferred``: a 16-value
+        register tensor that receives the last chunk's sums instead of scattering them.)
 
         Without the pair sum each chunk is scattered whole.  With it (h_q % 128 == 0) chunk c's
         half that the peer CTA owns goes to the peer (st.async into its landing area) while this
@@ -889,7 +910,11 @@ class SparseMlaBwdSm90:
         def finish(kept, c):
             """Receive the peer's half of chunk c, add it to ``kept`` and scatter the sums."""
             summed = ex.receive(kept, b * n + c, c, n, wg, tr, b, ev_recv[c], rec)
-            scatter.half(summed, chunks[c], b, ex.rank)
+            if const_expr(deferred is not None and c == n - 1):
+                for i in cutlass.range_constexpr(16):
+                    deferred[i] = summed[i]
+            else:
+                scatter.half(summed, chunks[c], b, ex.rank)
 
         if const_expr(not exchange):
             for c in cutlass.range_constexpr(n):
@@ -924,6 +949,11 @@ class SparseMlaBwdSm90:
                 pending = pending + [ex.kept(acc_kv)]
             for j in cutlass.range_constexpr(len(pending)):
                 finish(pending[j], n - len(pending) + j)
+
+    @cute.jit
+    def _scatter_deferred(self, scatter, dfr, b, rank) -> None:
+        """WG1 (``defer_wg1``): scatter the sums of block ``b``'s last chunk held in ``dfr``."""
+        scatter.half([dfr[i] for i in range(16)], self.dkv_chunks[1][-1], b, rank)
 
     @cute.jit
     def _delta_rows(self, mO, mDO, mDeltaCorr, mDeltaOut, sDelta, s_idx, h_blk, idx_in_wg):
