@@ -202,7 +202,7 @@ class SparseMlaBwdSm90:
         # 1.4-1.6% faster at s_kv 128k and 1.1% at 64k, 0.5-1% at 8k / 32k, neutral at h_q 64 (H200,
         # docs/PERF.md): at 128k a workspace line gets about one add per pass over the bands, so
         # evict_last only holds lines that will not be touched again soon.  ``ws_policy``:
-        # "normal" or "last" (the old policy, a knob for measurements).  The two 64-head CTAs
+        # "normal", "last" (the old policy, for measurements) or None (no hint).  The two 64-head CTAs
         # of a token run as a 2-CTA cluster so that they are co-scheduled and their atomics to
         # the same rows meet in L2 (+2% at 32k, +9% at 64k).  Measured on the H200.
         self.gather_evict_first = True
