@@ -38,52 +38,37 @@ MAX_INIT = -1e30
 # ---------------------------------------------------------------------------------------------
 
 
-@dsl_user_op
-def createpolicy_evict_last(*, loc=None, ip=None) -> Int64:
-    """An L2 cache policy that keeps lines (``createpolicy.fractional.L2::evict_last``)."""
+def _createpolicy(priority: str, loc=None, ip=None) -> Int64:
+    """``createpolicy.fractional.L2::<priority>`` for every line (fraction 1.0)."""
     return Int64(
         llvm.inline_asm(
             T.i64(),
             [],
-            "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;",
+            f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;",
             "=l",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@dsl_user_op
+def createpolicy_evict_last(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy that keeps lines (``createpolicy.fractional.L2::evict_last``)."""
+    return _createpolicy("evict_last", loc, ip)
 
 
 @dsl_user_op
 def createpolicy_evict_normal(*, loc=None, ip=None) -> Int64:
-    """An L2 cache policy with the default eviction priority (``createpolicy.fractional.L2::evict_normal``)."""
-    return Int64(
-        llvm.inline_asm(
-            T.i64(),
-            [],
-            "createpolicy.fractional.L2::evict_normal.b64 $0, 1.0;",
-            "=l",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    """An L2 cache policy with the default eviction priority (``...L2::evict_normal``)."""
+    return _createpolicy("evict_normal", loc, ip)
 
 
 @dsl_user_op
 def createpolicy_evict_first(*, loc=None, ip=None) -> Int64:
     """An L2 cache policy for data read once (``createpolicy.fractional.L2::evict_first``)."""
-    return Int64(
-        llvm.inline_asm(
-            T.i64(),
-            [],
-            "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;",
-            "=l",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _createpolicy("evict_first", loc, ip)
 
 
 def _asm_void(text: str, loc=None, ip=None) -> None:

@@ -137,6 +137,9 @@ class CuteKernelBackend(Backend):
     #: The backward kernel's block-order tick on kv-ordered slots (``rotate_shift``, 0: none;
     #: ``bwd_host.rotate_shift_for``); on where it was measured.
     bwd_rotate_shift = 0
+    #: The largest s_kv at which the backward defers a warpgroup's last dKV scatter into the next
+    #: block (``bwd_host.defer_scatter_for``; 0: the backend's kernel has no such variant).
+    bwd_defer_max_skv = 0
     #: Run the forward on kv-ordered slots where ``order_host.fwd_order_wanted`` says so (long kv
     #: ranges); on where it was measured.
     fwd_sort_indices = False
@@ -286,7 +289,7 @@ class CuteKernelBackend(Backend):
         return bwd_host.run_bwd(p, out, dout, lse, dlse, deterministic, return_attn_sum,
                                 compile_bwd=type(self).compile_bwd, name=self.bwd_name,
                                 sort_indices=self.bwd_sort_indices, rotate_shift=self.bwd_rotate_shift,
-                                defer_max_skv=getattr(self, "bwd_defer_max_skv", 0))
+                                defer_max_skv=self.bwd_defer_max_skv)
 
 
 def cached(key: tuple, build):
